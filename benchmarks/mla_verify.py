@@ -1,0 +1,259 @@
+"""Benchmark k3trt::mla_verify's Triton kernel at K3 shapes (576 / 512) against the roofline.
+
+    PYTHONPATH=. python benchmarks/mla_verify.py --json out.json [--heads 12,48,96]
+        [--batch 1,32,128] [--ctx 1024,8192,32768] [--kv bf16,fp8] [--configs n32w8s2,n64w8s2]
+
+Per case (local heads H, batch B, context L, KV dtype, kernel config): time per call from CUDA-graph
+replays of 10 calls (as the FlashMLA anchor was measured), achieved GB/s (KV bytes, each token's
+576 values read once) and TFLOP/s (2·4H·B·L·(576+512)), the roofline time (the larger of bytes
+over the copy rate and flops over the GEMM rate, both measured in this run by ceilings.py), and
+their ratio. Baselines in the same run: the same work as four single-row decode passes of the
+kernel, and a plain torch implementation (where its score matrix fits). Every case is checked
+against the fp32 reference on its first request. Buffers are not rotated: small cases run from L2,
+like the anchor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import json
+import math
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+import torch
+
+from ceilings import measure
+
+Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
+FP8 = torch.float8_e4m3fn
+# FlashMLA SM90 dense decode, bf16 KV, 4 causal rows, this H200 (shared/anchors/flashmla_h200.md)
+FLASHMLA_US = {
+    (12, 1, 1024): 13.1, (12, 1, 8192): 26.2, (12, 1, 32768): 46.1, (12, 32, 1024): 22.7,
+    (12, 32, 8192): 86.0, (12, 32, 32768): 310.0, (12, 128, 1024): 45.8, (12, 128, 8192): 296.4,
+    (12, 128, 32768): 1236.9, (48, 1, 1024): 18.6, (48, 1, 8192): 26.5, (48, 1, 32768): 46.3,
+    (48, 32, 1024): 32.5, (48, 32, 8192): 188.3, (48, 32, 32768): 739.2, (48, 128, 1024): 127.7,
+    (48, 128, 8192): 761.9, (48, 128, 32768): 3085.9, (96, 1, 1024): 22.3, (96, 1, 8192): 32.3,
+    (96, 1, 32768): 66.3, (96, 32, 1024): 60.0, (96, 32, 8192): 365.5, (96, 32, 32768): 1445.6,
+    (96, 128, 1024): 209.8, (96, 128, 8192): 1493.8, (96, 128, 32768): 5981.3}
+
+
+def parse_config(spec: str, rows: int):
+    """'n32w8s2' (+ 'L' for lazy rescale) → KernelConfig for `rows` folded rows."""
+    from k3trt.plugins.plans import KernelConfig, kernel_config
+
+    lazy = spec.endswith("L")
+    body = spec.rstrip("L")
+    n, rest = body[1:].split("w")
+    w, s = rest.split("s")
+    block_m = kernel_config(rows, D_V).block_m
+    return KernelConfig(block_m, int(n), int(w), int(s), lazy)
+
+
+def make_plan(batch, q_rows, heads, spec, kv_fp8, splits=None):
+    from k3trt.plugins.plans import make_plan as mk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return mk(batch, q_rows, heads, D_QK, D_V, kv_fp8=kv_fp8, num_sms=sms,
+              config=parse_config(spec, q_rows * heads), num_splits=splits)
+
+
+def _warm_one(key):
+    """Compile one kernel specialisation in a worker (fills the shared Triton cache)."""
+    import k3trt.plugins.mla_verify  # noqa: F401
+    from k3trt.plugins import mla_triton
+
+    spec, kv, q_rows, heads, split = key
+    kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
+    q = torch.randn(2 * q_rows, heads, D_QK, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(4, PAGE, D_QK, device="cuda").to(kv_dtype)
+    table = torch.arange(4, device="cuda", dtype=torch.int32).view(2, 2)
+    lens = torch.tensor([100, 7], device="cuda", dtype=torch.int32)
+    plan = make_plan(2, q_rows, heads, spec, kv == "fp8", splits=2 if split else 1)
+    mla_triton.mla_verify_fwd(plan, q, cache, table, lens, q_rows, 0.1, 1.0, D_V)
+    torch.cuda.synchronize()
+    return key
+
+
+def precompile(keys, workers):
+    t = time.time()
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        list(pool.map(_warm_one, sorted(keys)))
+    print(f"precompiled {len(keys)} kernels in {time.time() - t:.1f}s", flush=True)
+
+
+def graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def torch_verify(q, cache, table, seq_lens, q_rows, scale, kv_scale):
+    """Plain torch: gather every page of the table, bf16 matmuls, fp32 softmax."""
+    batch = table.shape[0]
+    kv = cache[table.long()].reshape(batch, -1, D_QK).to(q.dtype)
+    if cache.dtype == FP8:
+        kv = kv * kv_scale
+    qb = q.view(batch, -1, D_QK)
+    s = torch.bmm(qb, kv.transpose(1, 2)).float() * scale
+    heads = q.shape[1]
+    row = torch.arange(q_rows, device=q.device).repeat_interleave(heads)
+    vis = seq_lens[:, None] - (q_rows - 1 - row)[None, :]
+    pos = torch.arange(kv.shape[1], device=q.device)
+    s = s.masked_fill(pos[None, None, :] >= vis[..., None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.bmm(torch.softmax(s, -1).to(q.dtype), kv[..., :D_V])
+    return out.view(-1, heads, D_V), lse.view(-1, heads)
+
+
+@dataclasses.dataclass
+class Inputs:
+    cache: torch.Tensor
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def make_cache(batch, ctx, kv):
+    per = math.ceil(ctx / PAGE)
+    blocks = batch * per + 1
+    cache = torch.randn(blocks, PAGE, D_QK, device="cuda", dtype=torch.bfloat16)
+    if kv == "fp8":
+        cache = (cache * 4).to(FP8)
+    table = torch.randperm(blocks, device="cuda")[: batch * per].view(batch, per).int()
+    return Inputs(cache, table, torch.full((batch,), ctx, device="cuda", dtype=torch.int32))
+
+
+def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
+    from k3trt.plugins import mla_triton
+    from k3trt.plugins.mla_verify import mla_verify_ref
+    from k3trt.testing import rel_norm_error
+
+    kv_fp8 = kv == "fp8"
+    scale, kv_scale = 192 ** -0.5, (0.25 if kv_fp8 else 1.0)
+    q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
+    plan = make_plan(batch, Q_ROWS, heads, spec, kv_fp8)
+    call = lambda: mla_triton.mla_verify_fwd(plan, q, inp.cache, inp.table, inp.seq_lens,  # noqa: E731
+                                             Q_ROWS, scale, kv_scale, D_V)
+    out, lse = call()
+    ref_out, _ = mla_verify_ref(q[:Q_ROWS], inp.cache, inp.table[:1], inp.seq_lens[:1], Q_ROWS,
+                                scale, kv_scale, D_V)
+    err = rel_norm_error(out[:Q_ROWS].float(), ref_out.float())
+    nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+    us = graph_time_us(call)
+    nbytes = batch * ctx * D_QK * inp.cache.element_size()
+    flops = 2 * Q_ROWS * heads * batch * ctx * (D_QK + D_V)
+    t_mem, t_mma = nbytes / ceil["copy_gbps"] / 1e3, flops / ceil["gemm_tflops"] / 1e6
+    roof = max(t_mem, t_mma)
+    row = dict(heads=heads, batch=batch, ctx=ctx, kv=kv, config=spec, splits=plan.num_splits,
+               us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), tflops=round(flops / us / 1e6, 1),
+               roofline_us=round(roof, 2), bound="memory" if t_mem >= t_mma else "compute",
+               fraction=round(roof / us, 3), rel_err=float(f"{err:.3g}"), nan=nan)
+    fm = FLASHMLA_US.get((heads, batch, ctx))
+    if fm:
+        row["flashmla_us"] = fm
+        row["speedup_vs_flashmla"] = round(fm / us, 2)
+    if baselines:
+        qs = [q.view(batch, Q_ROWS, heads, D_QK)[:, j].contiguous() for j in range(Q_ROWS)]
+        lens = [inp.seq_lens - (Q_ROWS - 1 - j) for j in range(Q_ROWS)]
+        plan1 = make_plan(batch, 1, heads, spec, kv_fp8)
+
+        def four():
+            for j in range(Q_ROWS):
+                mla_triton.mla_verify_fwd(plan1, qs[j], inp.cache, inp.table, lens[j], 1, scale,
+                                          kv_scale, D_V)
+        row["four_single_us"] = round(graph_time_us(four), 2)
+        row["speedup_vs_four"] = round(row["four_single_us"] / us, 2)
+        score_bytes = batch * Q_ROWS * heads * inp.table.shape[1] * PAGE * 4
+        if score_bytes <= (2 << 30):
+            t_out, _ = torch_verify(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, scale, kv_scale)
+            row["torch_rel_err"] = float(f"{rel_norm_error(out.float(), t_out.float()):.3g}")
+            row["torch_us"] = round(graph_time_us(
+                lambda: torch_verify(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, scale, kv_scale),
+                calls=3, reps=3), 1)
+            row["speedup_vs_torch"] = round(row["torch_us"] / us, 2)
+    return row
+
+
+def print_table(rows, header=True):
+    cols = ["heads", "batch", "ctx", "kv", "config", "splits", "us", "gbps", "tflops", "roofline_us",
+            "bound", "fraction", "flashmla_us", "speedup_vs_flashmla", "four_single_us",
+            "speedup_vs_four", "torch_us", "rel_err"]
+    if header:
+        print(" ".join(f"{c[:10]:>10}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{str(r.get(c, '-'))[:10]:>10}" for c in cols))
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ap.add_argument("--heads", type=ints, default=[12, 48, 96])
+    ap.add_argument("--batch", type=ints, default=[1, 32, 128])
+    ap.add_argument("--ctx", type=ints, default=[1024, 8192, 32768])
+    ap.add_argument("--kv", default="bf16,fp8")
+    ap.add_argument("--configs", default="n32w8s2")
+    ap.add_argument("--extra", default="", help="extra cases H:B:L;… beyond the grid")
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--json", default="mla_verify_h200.json")
+    args = ap.parse_args(argv)
+
+    kvs, specs = args.kv.split(","), args.configs.split(",")
+    shapes = [(h, b, c) for b in args.batch for c in args.ctx for h in args.heads]
+    shapes += [tuple(int(x) for x in e.split(":")) for e in args.extra.split(";") if e]
+    keys = {}
+    for s, kv, h, q, split in itertools.product(specs, kvs, {x[0] for x in shapes},
+                                                (Q_ROWS,) if args.no_baselines else (Q_ROWS, 1),
+                                                (False, True)):
+        # one binary per tile shape: heads only matter through BLOCK_M
+        keys[(s, kv, parse_config(s, q * h).block_m, split)] = (s, kv, q, h, split)
+    precompile(list(keys.values()), args.workers)
+    ceil = measure()
+    print(json.dumps(ceil), flush=True)
+    import k3trt.plugins.mla_verify  # noqa: F401
+
+    rows = []
+    for kv in kvs:
+        for batch, ctx in sorted({(b, c) for _, b, c in shapes}):
+            inp = make_cache(batch, ctx, kv)
+            for heads in sorted({h for h, b, c in shapes if (b, c) == (batch, ctx)}):
+                for i, spec in enumerate(specs):
+                    rows.append(run_case(inp, heads, batch, ctx, kv, spec, ceil,
+                                         baselines=not args.no_baselines and i == 0))
+                    print_table(rows[-1:], header=len(rows) == 1)
+            del inp
+            torch.cuda.empty_cache()
+    print("\nsummary")
+    print_table(rows)
+    with open(args.json, "w") as f:
+        json.dump({"ceilings": ceil, "argv": sys.argv, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The builder: capacities, export, engines, engine directories."""

@@ -1,0 +1,95 @@
+"""``build_engine``: a checkpoint in, an engine directory out (torch backend; the TensorRT backends
+come with the builder issue and extend this function).
+
+The torch backend's "engine" is the checkpoint itself (config + safetensors shards, hard-linked when
+the filesystem allows, else copied) under rank0/, loaded at run time by the one strict loader
+(k3trt.model.loader), plus the build options and capacity plan the runtime schedules by.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from k3trt.builder.engine_dir import DTYPES, BuildConfig, Capacities, write_engine_dir
+from k3trt.config import ModelConfig
+from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
+from k3trt.plugins.plans import capacities as batch_capacities
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 32
+MIN_PREFILL_CAPACITY = 16
+WEIGHT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json")
+
+
+def prefill_capacities(max_num_tokens: int) -> tuple[int, ...]:
+    """Token capacities: powers of two from 16 below max_num_tokens, then max_num_tokens."""
+    caps, c = [], MIN_PREFILL_CAPACITY
+    while c < max_num_tokens:
+        caps.append(c)
+        c *= 2
+    return tuple(caps) + (max_num_tokens,)
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"build option dtype={dtype}: choose one of {sorted(DTYPES)}")
+        return names[dtype]
+    return dtype
+
+
+def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "torch",
+                 capacities: Sequence[int] | None = None, max_num_tokens: int = 8192, spec_tokens: int = 3,
+                 kv_dtype: str = "auto", dtype: str | torch.dtype = "bf16", block_size: int = 64,
+                 max_seq_len: int | None = None, target: str | None = None) -> Path:
+    """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
+    the largest being the live-request limit); prefill token capacities follow max_num_tokens."""
+    checkpoint, output = Path(checkpoint), Path(output)
+    if backend == "auto":
+        backend = "torch"       # the only backend this builder writes so far
+    if backend != "torch":
+        raise NotImplementedError(f"backend {backend!r} is not built yet (the TensorRT builder issue); "
+                                  f"use --backend torch")
+    cfg = ModelConfig.from_json(checkpoint)
+    model_raw = json.loads((checkpoint / "config.json").read_text())
+    verify = tuple(capacities) if capacities else tuple(batch_capacities(DEFAULT_MAX_BATCH))
+    build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
+                        max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
+                        max_seq_len=min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
+    caps = Capacities(verify=verify, prefill=prefill_capacities(max_num_tokens))
+    if max_num_tokens < caps.verify[-1] * (1 + spec_tokens):
+        raise ValueError(f"max_num_tokens ({max_num_tokens}) must cover the largest verify capacity's rows "
+                         f"({caps.verify[-1]} x {1 + spec_tokens}); raise it or lower the capacities")
+    with CheckpointReader(checkpoint) as reader:     # headers and index only: cheap, catches broken shards
+        weights = set(reader.shards)
+    log.info("building torch engine from %s: %d weight files, verify capacities %s, prefill capacities %s",
+             checkpoint, len(weights), list(caps.verify), list(caps.prefill))
+
+    def populate(tmp: Path) -> None:
+        (tmp / "rank0").mkdir()
+        (tmp / "tokenizer").mkdir()
+        for f in sorted(p for p in checkpoint.iterdir() if p.is_file()):
+            is_weight = f.name in WEIGHT_FILES or SHARD_RE.fullmatch(f.name)
+            if is_weight and f.name.endswith(".safetensors") and f.name not in weights:
+                continue             # a stray shard the index does not name
+            _link_or_copy(f, tmp / ("rank0" if is_weight else "tokenizer") / f.name)
+
+    return write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
+                            capacities=caps, populate=populate)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        log.info("copying %s (%.1f MiB)", src.name, src.stat().st_size / 2**20)
+        shutil.copy2(src, dst)

@@ -1,0 +1,108 @@
+"""The per-step context and the cache tensors the model reads and writes.
+
+The model works on a flat token layout: one step holds S sequences, sequence i contributing
+``q_lens[i]`` new tokens after ``ctx_lens[i]`` tokens already in its caches; the T = sum(q_lens)
+tokens lie in sequence order. Everything about the step travels in one ``StepContext`` (not
+through every forward()), and the caches are explicit arguments owned by the caller.
+
+Layouts (public: the runtime, the builder and the plugins rely on them):
+  MLA cache, per MLA layer:  [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+                              row = [kv_c_normed | k_pe]; bf16/fp32, or float8_e4m3fn with
+                              value = fp8 · kv_scale (one per-tensor scale for the whole cache)
+  slot_mapping[t]            physical row (block · block_size + offset) token t is written to
+  block_table[i, j]          physical block of the j-th logical block of sequence i (int32)
+  KDA state, per KDA layer:  [num_slots, heads, head_dim(k), head_dim(v)] fp32
+  KDA conv window:           [num_slots, 3 · heads · head_dim, kernel - 1] (q|k|v channels, oldest first)
+  KDA step states:           [num_slots, max_q, ...] the state after each of a step's positions,
+                              kept when ``save_kda_states`` (speculative verification rolls back to one)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3trt.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepContext:
+    q_lens: tuple[int, ...]          # new tokens per sequence this step
+    ctx_lens: tuple[int, ...]        # tokens already cached per sequence (position of its first new token)
+    slot_mapping: torch.Tensor       # int64 [T]
+    block_table: torch.Tensor        # int32 [S, max_blocks]
+    kda_slots: torch.Tensor          # int64 [S]
+    save_kda_states: bool = False    # keep the KDA state after every position (verification)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def uniform_q(self) -> int | None:
+        """Q when every sequence brings the same number of tokens (decode: 1, verify: K+1)."""
+        return self.q_lens[0] if self.q_lens and len(set(self.q_lens)) == 1 else None
+
+    @property
+    def cu_q(self) -> list[int]:
+        out = [0]
+        for n in self.q_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Absolute position of every new token (int64 [T])."""
+        return torch.cat([torch.arange(c, c + n) for c, n in zip(self.ctx_lens, self.q_lens)]).to(device) \
+            if self.q_lens else torch.empty(0, dtype=torch.long, device=device)
+
+    def seq_lens(self) -> torch.Tensor:
+        """Total length per sequence after this step's tokens are written (int32 [S])."""
+        return torch.tensor([c + n for c, n in zip(self.ctx_lens, self.q_lens)], dtype=torch.int32)
+
+
+@dataclass
+class KDALayerCache:
+    state: torch.Tensor                       # fp32 [slots, H, dk, dv]
+    conv: torch.Tensor                        # [slots, 3·H·dk, kernel-1]
+    step_state: torch.Tensor | None = None    # fp32 [slots, max_q, H, dk, dv]
+    step_conv: torch.Tensor | None = None     # [slots, max_q, 3·H·dk, kernel-1]
+
+
+@dataclass
+class ModelCache:
+    """Every cache tensor of one model instance, indexed by layer number."""
+    block_size: int
+    mla: dict[int, torch.Tensor] = field(default_factory=dict)        # layer -> [blocks, bs, D]
+    kda: dict[int, KDALayerCache] = field(default_factory=dict)       # layer -> state tensors
+    kv_scale: float = 1.0
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,
+                 max_q: int = 0, dtype: torch.dtype = torch.float32,
+                 kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0,
+                 device: torch.device | str = "cpu", layers: range | None = None) -> "ModelCache":
+        """Allocate caches for `layers` (default: every decoder and MTP layer). max_q > 0 also keeps
+        per-position KDA states for verification steps of up to max_q tokens."""
+        if block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16, got {block_size}")
+        la = cfg.linear_attn_config
+        conv_dim, k = 3 * la.num_heads * la.head_dim, la.short_conv_kernel_size
+        cache = cls(block_size=block_size, kv_scale=kv_scale)
+        for i in layers if layers is not None else range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+            if cfg.is_kda(i):
+                shape = (num_slots, la.num_heads, la.head_dim, la.head_dim)
+                cache.kda[i] = KDALayerCache(
+                    state=torch.zeros(shape, dtype=torch.float32, device=device),
+                    conv=torch.zeros(num_slots, conv_dim, k - 1, dtype=dtype, device=device),
+                    step_state=torch.zeros(num_slots, max_q, *shape[1:], device=device) if max_q else None,
+                    step_conv=torch.zeros(num_slots, max_q, conv_dim, k - 1, dtype=dtype, device=device)
+                    if max_q else None)
+            else:
+                cache.mla[i] = torch.zeros(num_blocks, block_size, cfg.mla_cache_dim,
+                                           dtype=kv_dtype or dtype, device=device)
+        return cache

@@ -1,0 +1,165 @@
+"""Kimi Delta Attention: the linear-attention mixer of K3's KDA layers (spec/K3_MODEL.md, KDA).
+
+Tokens arrive flat (see k3trt/model/context.py); each sequence i carries its recurrent state and
+conv window in slot ``ctx.kda_slots[i]`` of the layer's ``KDALayerCache``. A sequence with
+``ctx_lens[i] == 0`` starts from zeros whatever its slot holds (slots are reused without being
+cleared). The final state and window are written back to the slot; with ``ctx.save_kda_states``
+also the state and window after every position j, into ``step_state[slot, j]`` /
+``step_conv[slot, j]``, so that verification can roll back to any accepted length.
+
+Parameter names are the checkpoint's, under ``model.layers.{i}.self_attn.``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3trt.config import ModelConfig
+from k3trt.model.context import KDALayerCache, StepContext
+from k3trt.plugins import kda as _kda_ops  # noqa: F401  (registers torch.ops.k3trt.kda_*)
+
+# Sequences with more new tokens than this use the chunked form (unless every per-position state
+# is wanted, which only the recurrent form produces); decode and verification steps stay recurrent.
+CHUNKED_MIN_TOKENS = 16
+L2_EPS = 1e-6   # as in fla's l2norm: x / sqrt(sum(x^2) + eps)
+
+
+class _RMSNorm(nn.Module):
+    """Plain RMSNorm in fp32 (checkpoint name: ``<name>.weight``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
+
+class _ConvWeight(nn.Module):
+    """Holds a depthwise conv weight [channels, 1, kernel] under ``<name>.weight``; the conv itself
+    runs through ``k3trt::short_conv`` with the q|k|v weights concatenated."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        la = cfg.linear_attn_config
+        self.num_heads, self.head_dim = H, D = la.num_heads, la.head_dim
+        self.kernel = la.short_conv_kernel_size
+        self.gate_lower_bound = la.gate_lower_bound
+        self.use_full_rank_gate = la.use_full_rank_gate
+        self.scale = D ** -0.5
+        self.chunked_min_tokens = CHUNKED_MIN_TOKENS
+        hidden, proj = cfg.hidden_size, H * D
+
+        self.q_proj = nn.Linear(hidden, proj, bias=False)
+        self.k_proj = nn.Linear(hidden, proj, bias=False)
+        self.v_proj = nn.Linear(hidden, proj, bias=False)
+        self.q_conv1d = _ConvWeight(proj, self.kernel)
+        self.k_conv1d = _ConvWeight(proj, self.kernel)
+        self.v_conv1d = _ConvWeight(proj, self.kernel)
+        self.f_a_proj = nn.Linear(hidden, D, bias=False)
+        self.f_b_proj = nn.Linear(D, proj, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(proj, dtype=torch.float32))
+        self.b_proj = nn.Linear(hidden, H, bias=False)
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, proj, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, D, bias=False)
+            self.g_b_proj = nn.Linear(D, proj, bias=False)
+        self.o_norm = _RMSNorm(D, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(proj, hidden, bias=False)
+
+    # ------------------------------------------------------------------------- per-token parts
+    def decay(self, x: Tensor) -> Tensor:
+        """Log-space decay g [T, H, D] (fp32, <= 0) for inputs x [T, hidden]."""
+        H, D = self.num_heads, self.head_dim
+        raw = self.f_b_proj(self.f_a_proj(x)).float().view(-1, H, D) + self.dt_bias.float().view(H, D)
+        a = self.A_log.float().exp().view(H, 1)
+        if self.gate_lower_bound is not None:
+            return self.gate_lower_bound * torch.sigmoid(a * raw)
+        return -a * F.softplus(raw)
+
+    def output_gate(self, x: Tensor) -> Tensor:
+        gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        return gate.view(-1, self.num_heads, self.head_dim)
+
+    # ------------------------------------------------------------------------- forward
+    def forward(self, x: Tensor, ctx: StepContext, cache: KDALayerCache) -> Tensor:
+        """x [T, hidden] in flat token order -> [T, hidden]; reads and writes `cache` (see module doc)."""
+        if x.shape[0] != ctx.num_tokens:
+            raise ValueError(f"KDA: x has {x.shape[0]} tokens but the step context has {ctx.num_tokens}")
+        H, D = self.num_heads, self.head_dim
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)   # [T, 3·H·D]
+        g = self.decay(x)                                                         # [T, H, D] fp32
+        beta = torch.sigmoid(self.b_proj(x).float())                             # [T, H]
+        fresh = torch.tensor([c == 0 for c in ctx.ctx_lens], dtype=torch.bool, device=x.device)
+        slots = ctx.kda_slots.to(x.device)
+
+        # Sequences with equal q_len (decode, verification, uniform prefill) run as one batch;
+        # otherwise one sequence at a time. Either way tokens stay in flat order.
+        q_uniform = ctx.uniform_q
+        if q_uniform is not None:
+            groups = [(0, ctx.num_seqs, q_uniform)]
+        else:
+            groups = [(i, i + 1, n) for i, n in enumerate(ctx.q_lens)]
+        cu = ctx.cu_q
+        outs = []
+        for s0, s1, n in groups:
+            t0, t1 = cu[s0], cu[s1]
+            if t1 == t0:
+                continue
+            shape = (s1 - s0, n)
+            outs.append(self._run(qkv[t0:t1].view(*shape, -1), g[t0:t1].view(*shape, H, D),
+                                  beta[t0:t1].view(*shape, H), conv_w, slots[s0:s1], fresh[s0:s1],
+                                  ctx.save_kda_states, cache).reshape(t1 - t0, H, D))
+        o = torch.cat(outs, 0) if outs else x.new_zeros(0, H, D, dtype=torch.float32)
+
+        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x).float())
+        return self.o_proj(o.to(x.dtype).reshape(-1, H * D))
+
+    def _run(self, qkv: Tensor, g: Tensor, beta: Tensor, conv_w: Tensor, slots: Tensor, fresh: Tensor,
+             save: bool, cache: KDALayerCache) -> Tensor:
+        """One batch of equal-length sequences: qkv [B, n, 3·H·D], g [B, n, H, D], beta [B, n, H].
+        Returns o [B, n, H, D] fp32 and updates the slots."""
+        B, n = qkv.shape[:2]
+        H, D = self.num_heads, self.head_dim
+        # torch.where (not a multiply) so that NaN garbage in a reused slot cannot leak through
+        keep = ~fresh
+        conv0 = torch.where(keep.view(B, 1, 1), cache.conv[slots].to(qkv.dtype), 0.0)
+        state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
+        if save and (cache.step_state is None or cache.step_conv is None or cache.step_state.shape[1] < n):
+            have = None if cache.step_state is None else cache.step_state.shape[1]
+            raise ValueError(f"KDA: save_kda_states for {n} positions needs step_state/step_conv with "
+                             f"max_q >= {n} (allocated: {have})")
+
+        y, conv1, conv_all = torch.ops.k3trt.short_conv(qkv, conv_w, conv0, save)
+        q, k, v = y.view(B, n, 3, H, D).unbind(2)
+        q, k, v = _l2norm(q), _l2norm(k), v.float()
+        if n > self.chunked_min_tokens and not save:
+            o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale)
+            states_all = None
+        else:
+            o, state1, states_all = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state0, self.scale, save)
+
+        cache.state[slots] = state1
+        cache.conv[slots] = conv1.to(cache.conv.dtype)
+        if save:
+            cache.step_state[slots, :n] = states_all
+            cache.step_conv[slots, :n] = conv_all.to(cache.step_conv.dtype)
+        return o

@@ -1,0 +1,106 @@
+"""Latent mixture of experts with the sigmoid, grouped top-k (``noaux_tc``) router.
+
+Routing (fp32): scores = sigmoid(gate(x)). The correction bias only *chooses*: experts are picked
+by scores + e_score_correction_bias (first the best topk_group groups, a group scored by the sum of
+its two best experts, then top-k inside them), but they are *weighted* by their raw scores,
+renormalised to sum 1, times routed_scaling_factor.
+
+Latent path: x --routed_expert_down_proj--> width W (K3: 3584) --experts--> Σ w_e·expert_e
+--RMSNorm (latent_moe_use_norm)--> routed_expert_up_proj --> hidden. Shared experts see x itself.
+Experts are stored stacked ([E, I, W] and [E, W, I]) so a grouped GEMM can take them whole; the
+checkpoint keeps one tensor per expert and weights.py stacks them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3trt.config import ModelConfig
+from k3trt.model.layers import GatedMLP, RMSNorm, gated_act
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids int64 [T, k], combine weights fp32 [T, k])."""
+        return route(self.cfg, x.float() @ self.weight.float().t(), self.e_score_correction_bias.float())
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    T, E, k = logits.shape[0], cfg.num_experts, cfg.num_experts_per_token
+    scores = torch.sigmoid(logits) if cfg.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
+    choice = scores + bias if (bias is not None and cfg.topk_method == "noaux_tc") else scores
+    if cfg.use_grouped_topk and cfg.num_expert_group > 1:
+        groups = choice.view(T, cfg.num_expert_group, -1)
+        group_score = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)          # [T, G]
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.num_expert_group, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.moe_renormalize:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """E gated MLPs at width W, stacked; forward loops over the experts that received tokens."""
+
+    def __init__(self, cfg: ModelConfig, width: int):
+        super().__init__()
+        E, inter = cfg.num_experts, cfg.moe_intermediate_size
+        self.w_gate = nn.Parameter(torch.empty(E, inter, width))
+        self.w_up = nn.Parameter(torch.empty(E, inter, width))
+        self.w_down = nn.Parameter(torch.empty(E, width, inter))
+        self.act = gated_act(cfg)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            xe = x[tok]
+            h = self.act(xe @ self.w_gate[e].t(), xe @ self.w_up[e].t()) @ self.w_down[e].t()
+            out.index_add_(0, tok, h.float() * weights.flatten()[sel, None])
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        width = cfg.routed_expert_hidden_size or cfg.hidden_size
+        self.gate = Router(cfg)
+        if cfg.routed_expert_hidden_size:
+            self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+            self.routed_expert_up_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps)
+        self.experts = Experts(cfg, width)
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedMLP(cfg, cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        latent = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
+        y = self.experts(latent, ids, weights)
+        if hasattr(self, "routed_expert_norm"):
+            y = self.routed_expert_norm(y)
+        if hasattr(self, "routed_expert_up_proj"):
+            y = self.routed_expert_up_proj(y)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y

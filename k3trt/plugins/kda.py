@@ -1,0 +1,247 @@
+"""KDA plugin ops: the delta-rule recurrence (recurrent and chunked forms) and the short conv.
+
+Ops (namespace ``k3trt``; every one takes one sequence or a batch of equal-length sequences):
+
+``kda_recurrent(q, k, v, g, beta, state, scale, save_all) -> (o, final_state, all_states)``
+``kda_chunked(q, k, v, g, beta, state, scale, chunk_size=64) -> (o, final_state)``
+    q, k   [T, H, dk] or [B, T, H, dk]   already L2-normalised (any float dtype)
+    v      [T, H, dv] or [B, T, H, dv]
+    g      [T, H, dk] or [B, T, H, dk]   log-space decay, <= 0
+    beta   [T, H]     or [B, T, H]
+    state  [H, dk, dv] or [B, H, dk, dv] fp32, the state before the first token
+    o      like v (v's dtype); final_state fp32 like state;
+    all_states fp32 [T, H, dk, dv] / [B, T, H, dk, dv]: the state after every position
+           (an empty tensor unless save_all).
+    Per head: S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T ;
+              o_t = S_t^T q_t * scale.      Everything is computed in fp32.
+
+``short_conv(x, weight, conv_state, save_all=False) -> (y, new_state, all_states)``
+    x      [T, C] or [B, T, C];   weight [C, 1, K] (or [C, K]);
+    conv_state [C, K-1] or [B, C, K-1]: the last K-1 inputs, oldest first;
+    y = SiLU(causal depthwise conv of the window followed by x), x's dtype (fp32 arithmetic);
+    new_state like conv_state (its dtype); all_states [T, C, K-1] / [B, T, C, K-1]: the window
+    after every position (empty unless save_all).
+
+None of the ops mutates its inputs; the caller writes the returned states into its cache.
+
+The bodies below are the plain-torch implementations, registered for every device. A GPU kernel
+is added later with ``kda_recurrent.register_kernel("cuda")(fn)`` (likewise for the others) from
+the kernel's own module, which then takes precedence on CUDA tensors; the fake implementations
+give shapes for export and capture.
+
+``kda_reference_loop`` is the oracle: the spec's recurrence written plainly, token by token with
+explicit matrices, in fp64. It is not an op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["kda_recurrent", "kda_chunked", "short_conv", "kda_reference_loop"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _batched(*xs: Tensor, rank: int) -> tuple[bool, list[Tensor]]:
+    """Add a batch dimension to unbatched inputs (x.dim() == rank) so one code path serves both."""
+    single = xs[0].dim() == rank
+    return single, [x.unsqueeze(0) if single else x for x in xs]
+
+
+def _check_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> None:
+    if q.dim() not in (3, 4):
+        raise ValueError(f"kda: q must be [T, H, dk] or [B, T, H, dk], got {tuple(q.shape)}")
+    lead, (h, dk), dv = q.shape[:-2], q.shape[-2:], v.shape[-1]
+    for name, t, shape in (("k", k, (*lead, h, dk)), ("v", v, (*lead, h, dv)), ("g", g, (*lead, h, dk)),
+                           ("beta", beta, (*lead, h)), ("state", state, (*lead[:-1], h, dk, dv))):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"kda: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                             f"(from q {tuple(q.shape)} and v {tuple(v.shape)})")
+
+
+def _empty_states(ref: Tensor) -> Tensor:
+    return ref.new_empty((0,), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- recurrent form
+def _kda_recurrent_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                         scale: float, save_all: bool) -> tuple[Tensor, Tensor, Tensor]:
+    _check_kda(q, k, v, g, beta, state)
+    single, (q, k, v, g, beta, state) = _batched(q, k, v, g, beta, state, rank=3)
+    out_dtype = v.dtype
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    B, T, H, dk = q.shape
+    S = state.float().clone()
+    o = q.new_empty(B, T, H, v.shape[-1])
+    saved = []
+    for t in range(T):
+        k_t = k[:, t]
+        # Diag(exp g) S, then the delta rule written as a rank-1 correction:
+        # (I - b k k^T) D S + b k v^T = D S + b k (v - k^T D S)^T
+        S = S * g[:, t].exp().unsqueeze(-1)
+        pred = torch.einsum("bhk,bhkv->bhv", k_t, S)
+        S = S + (beta[:, t, :, None, None] * k_t.unsqueeze(-1)) * (v[:, t] - pred).unsqueeze(-2)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S) * scale
+        if save_all:
+            saved.append(S)
+    all_states = torch.stack(saved, 1) if save_all and T else (
+        S.new_empty(B, 0, *S.shape[1:]) if save_all else _empty_states(S))
+    o = o.to(out_dtype)
+    if single:
+        return o[0], S[0], all_states[0] if save_all else all_states
+    return o, S, all_states
+
+
+@torch.library.custom_op("k3trt::kda_recurrent", mutates_args=())
+def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                  scale: float, save_all: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Token-by-token KDA (decode and verification); see the module docstring for layouts."""
+    return _kda_recurrent_torch(q, k, v, g, beta, state, scale, save_all)
+
+
+@kda_recurrent.register_fake
+def _(q, k, v, g, beta, state, scale, save_all):
+    o = v.new_empty(v.shape)
+    final = state.new_empty(state.shape, dtype=torch.float32)
+    if save_all:
+        all_states = state.new_empty((*q.shape[:-2], *state.shape[-3:]), dtype=torch.float32)
+    else:
+        all_states = state.new_empty((0,), dtype=torch.float32)
+    return o, final, all_states
+
+
+# ----------------------------------------------------------------------------- chunked form
+def _kda_chunked_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                       scale: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The chunked (UT-transform / WY) form, chunk by chunk.
+
+    Within a chunk, with G_t = cumsum(g) from the chunk start and S0 the state before it, every
+    state is S_t = Diag(e^{G_t}) S0 + sum_{i<=t} Diag(e^{G_t - G_i}) k_i d_i^T, where
+    d_i = b_i (v_i - k_i^T Diag(e^{g_i}) S_{i-1}) is the delta-rule correction. The d_i solve a unit
+    lower-triangular system (I + diag(b) A) d = diag(b) (V - (K*e^G) S0) with
+    A_ti = sum_c k_t[c] k_i[c] e^{G_t[c] - G_i[c]} (i < t); with T = (I + diag(b) A)^-1 diag(b),
+    U = T V and W = T (K*e^G) (the UT transform), d = U - W S0. Then
+    o = scale (Q*e^G) S0 + scale M d, M_ti = sum_c q_t[c] k_i[c] e^{G_t[c]-G_i[c]} (i <= t),
+    and S_end = Diag(e^{G_end}) S0 + (K * e^{G_end - G})^T d.
+
+    Stability: every exponent used is G_t - G_i with i <= t (or G_t itself), which is <= 0 since
+    g <= 0, so nothing overflows however negative the decays; the pairwise differences are formed
+    per channel ([n, n, dk] per head) rather than factored as e^{G_t} e^{-G_i}, because e^{-G_i}
+    overflows fp32 once a chunk's decay passes ~88 (a 64-chunk at the -5 gate bound reaches -320).
+    """
+    _check_kda(q, k, v, g, beta, state)
+    if chunk_size < 1:
+        raise ValueError(f"kda_chunked: chunk_size must be >= 1, got {chunk_size}")
+    single, (q, k, v, g, beta, state) = _batched(q, k, v, g, beta, state, rank=3)
+    out_dtype = v.dtype
+    # [B, H, T, d] so that each chunk is a contiguous slice of the time axis
+    q, k, v, g = (t.float().transpose(1, 2) for t in (q, k, v, g))
+    beta = beta.float().transpose(1, 2)
+    B, H, T, dk = q.shape
+    S = state.float().clone()
+    o = q.new_empty(B, H, T, v.shape[-1])
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        n = e - s
+        qc, kc, vc, bc = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e]
+        G = g[:, :, s:e].cumsum(-2)                                     # [B, H, n, dk]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        diff = G.unsqueeze(-2) - G.unsqueeze(-3)                        # [B, H, t, i, dk]
+        # mask before exp: the entries above the diagonal are positive and may overflow
+        decay = torch.where(causal[..., None], diff, float("-inf")).exp()
+        kk = (kc.unsqueeze(-2) * decay * kc.unsqueeze(-3)).sum(-1).tril(-1)   # A, strictly lower
+        qk = (qc.unsqueeze(-2) * decay * kc.unsqueeze(-3)).sum(-1)            # M, diagonal included
+        eye = torch.eye(n, dtype=q.dtype, device=q.device)
+        lower = eye + bc.unsqueeze(-1) * kk
+        t_mat = torch.linalg.solve_triangular(lower, torch.diag_embed(bc), upper=False, unitriangular=True)
+        eG = G.exp()
+        u = t_mat @ vc                                                  # [B, H, n, dv]
+        w = t_mat @ (kc * eG)                                           # [B, H, n, dk]
+        delta = u - w @ S
+        o[:, :, s:e] = scale * ((qc * eG) @ S + qk @ delta)
+        G_end = G[:, :, -1]                                             # [B, H, dk]
+        S = G_end.exp().unsqueeze(-1) * S + (kc * (G_end.unsqueeze(-2) - G).exp()).transpose(-1, -2) @ delta
+    o = o.transpose(1, 2).to(out_dtype)
+    return (o[0], S[0]) if single else (o, S)
+
+
+@torch.library.custom_op("k3trt::kda_chunked", mutates_args=())
+def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                scale: float, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """Chunked KDA for prefill; equal to ``kda_recurrent`` up to rounding."""
+    return _kda_chunked_torch(q, k, v, g, beta, state, scale, chunk_size)
+
+
+@kda_chunked.register_fake
+def _(q, k, v, g, beta, state, scale, chunk_size=64):
+    return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- short conv
+def _short_conv_torch(x: Tensor, weight: Tensor, conv_state: Tensor,
+                      save_all: bool) -> tuple[Tensor, Tensor, Tensor]:
+    w = weight.reshape(weight.shape[0], -1)                             # [C, K]
+    C, K = w.shape
+    if x.dim() not in (2, 3) or x.shape[-1] != C or tuple(conv_state.shape[-2:]) != (C, K - 1) \
+            or conv_state.dim() != x.dim():
+        raise ValueError(f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)} and conv_state "
+                         f"{tuple(conv_state.shape)} do not fit ([B,] T, C), [C, 1, K], ([B,] C, K-1)")
+    single, (x, conv_state) = _batched(x, conv_state, rank=2)
+    B, T, _ = x.shape
+    # the window followed by the new inputs, time-major: [B, K-1+T, C]
+    full = torch.cat([conv_state.to(x.dtype).transpose(1, 2), x], 1)
+    wf, ff = w.float(), full.float()
+    acc = ff[:, 0:T] * wf[:, 0]
+    for j in range(1, K):
+        acc = acc + ff[:, j:j + T] * wf[:, j]
+    y = F.silu(acc).to(x.dtype)
+    new_state = full[:, T:].transpose(1, 2).to(conv_state.dtype).contiguous()
+    if save_all:
+        # the window after position t is full[t+1 : t+K]
+        all_states = torch.stack([full[:, t + 1:t + K].transpose(1, 2) for t in range(T)], 1) if T else \
+            full.new_empty(B, 0, C, K - 1)
+        all_states = all_states.to(conv_state.dtype)
+        if single:
+            all_states = all_states[0]
+    else:
+        all_states = conv_state.new_empty((0,))
+    return (y[0], new_state[0], all_states) if single else (y, new_state, all_states)
+
+
+@torch.library.custom_op("k3trt::short_conv", mutates_args=())
+def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor, save_all: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Causal depthwise conv + SiLU over a rolling window; see the module docstring for layouts."""
+    return _short_conv_torch(x, weight, conv_state, save_all)
+
+
+@short_conv.register_fake
+def _(x, weight, conv_state, save_all=False):
+    y = x.new_empty(x.shape)
+    new_state = conv_state.new_empty(conv_state.shape)
+    if save_all:
+        all_states = conv_state.new_empty((*x.shape[:-1], *conv_state.shape[-2:]))
+    else:
+        all_states = conv_state.new_empty((0,))
+    return y, new_state, all_states
+
+
+# ----------------------------------------------------------------------------- the oracle
+def kda_reference_loop(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The spec's recurrence, one sequence ([T, H, ...]), token by token and head by head, with the
+    transition matrix built explicitly, in fp64. Returns (o, final_state, all_states) in fp64."""
+    q, k, v, g, beta, S = (t.double() for t in (q, k, v, g, beta, state))
+    T, H, dk = q.shape
+    S = S.clone()
+    eye = torch.eye(dk, dtype=torch.float64)
+    o = torch.zeros(T, H, v.shape[-1], dtype=torch.float64)
+    states = torch.zeros(T, *S.shape, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            kt = k[t, h].unsqueeze(1)                                   # column vector [dk, 1]
+            transition = (eye - beta[t, h] * kt @ kt.T) @ torch.diag(g[t, h].exp())
+            S[h] = transition @ S[h] + beta[t, h] * kt @ v[t, h].unsqueeze(0)
+            o[t, h] = S[h].T @ q[t, h] * scale
+        states[t] = S
+    return o, S, states

@@ -1,0 +1,1 @@
+"""The runtime: requests, cache, scheduler, engine sessions, sampling, structured output."""

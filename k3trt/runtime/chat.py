@@ -1,0 +1,293 @@
+"""The K3 chat template, as Python (the one the runtime uses) and as an equivalent Jinja string
+(`CHAT_TEMPLATE`, written into tokenizer_config.json for Hugging Face users).
+
+Format (Kimi K3's public `encoding_k3.py`, as read in public serving code; see spec/XTML.md):
+every element is `<|open|>NAME attrs<|sep|> … <|close|>NAME<|sep|>`, a message is
+`<|open|>message role="R" …<|sep|>BODY<|close|>message<|sep|><|end_of_msg|>`:
+- tools (if any) first, as a system message `type="tool-declare"` holding their JSON schema;
+- system / developer (rendered as system) / user: the content as body;
+- assistant: `think` (thinking on only; structural, possibly empty), `response`, then `tools` with
+  one `call tool="NAME" index="i"` per tool call, each argument an `argument key="K" type="T"`
+  element (strings raw, everything else JSON), or one `json type="object"` element when the
+  arguments are a string that is not a JSON object;
+- tool results: `message role="tool" tool="NAME" index="i"` (i counts results since the last
+  assistant message; NAME from the message, else from that assistant's i-th call);
+- generation prompt: `<|open|>message role="assistant"<|sep|>` then `<|open|>think<|sep|>` (thinking)
+  or `<|open|>response<|sep|>`.
+Only `<|open|>`, `<|sep|>`, `<|close|>` and `<|end_of_msg|>` are special tokens; element names,
+attributes and bodies are ordinary text. `render_ids` encodes every text part with special tokens
+disallowed, so marker strings inside user or tool text stay plain text and cannot open a tool call.
+The Jinja string cannot keep that distinction (Hugging Face tokenizes its output as one string):
+use `render_ids` for untrusted text. The Jinja form also cannot parse JSON, so arguments given as a
+JSON string render there as a `json` element; pass dicts where the two must agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from k3trt.runtime.xtml import CLOSE, END_OF_MSG, OPEN, SEP, escape_attr
+
+CONTROL_TOKENS = (OPEN, SEP, CLOSE, END_OF_MSG)
+TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+TOOLS_FOOTER = "\n```"
+
+# Argument type names by Python type; bool before int because bool is an int.
+_ARG_TYPES: tuple[tuple[type | tuple[type, ...], str], ...] = (
+    (bool, "boolean"), (type(None), "null"), ((int, float), "number"), (str, "string"),
+    (dict, "object"), ((list, tuple), "array"),
+)
+
+
+class _Encoder(Protocol):
+    special_ids: dict[str, int]
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    control: bool  # True: one special token of the template; False: text, encoded without specials
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+
+    def control(self, token: str) -> None:
+        self.segments.append(Segment(token, True))
+
+    def text(self, text: str) -> None:
+        if not text:
+            return
+        if self.segments and not self.segments[-1].control:  # one text run between markers
+            text = self.segments.pop().text + text
+        self.segments.append(Segment(text, False))
+
+    def open(self, tag: str, **attrs: Any) -> None:
+        self.control(OPEN)
+        self.text(tag + "".join(f' {k}="{escape_attr(str(v))}"' for k, v in attrs.items()))
+        self.control(SEP)
+
+    def close(self, tag: str) -> None:
+        self.control(CLOSE)
+        self.text(tag)
+        self.control(SEP)
+
+    def end_message(self) -> None:
+        self.close("message")
+        self.control(END_OF_MSG)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise ValueError(f"message content part must be an object, got {type(part).__name__}")
+            if part.get("type", "text") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
+            if isinstance(part.get("text"), str):
+                texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"message content must be a string, a list of parts or null, got "
+                     f"{type(content).__name__}")
+
+
+def _arg_type(value: Any) -> str:
+    for types, name in _ARG_TYPES:
+        if isinstance(value, types):
+            return name
+    raise ValueError(f"tool call argument of type {type(value).__name__} is not JSON")
+
+
+def _arg_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _name(message: dict) -> dict[str, str]:
+    name = message.get("name")
+    return {"name": name} if isinstance(name, str) and name else {}
+
+
+def _render_call(b: _Builder, position: int, call: dict) -> None:
+    function = call.get("function", call)
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool call {position} has no function name")
+    b.open("call", tool=name, index=position)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+        else:
+            b.open("json", type="object")
+            b.text(arguments)
+            b.close("json")
+            arguments = None
+    for key, value in (arguments or {}).items():
+        b.open("argument", key=key, type=_arg_type(value))
+        b.text(_arg_text(value))
+        b.close("argument")
+    b.close("call")
+
+
+def _render_assistant(b: _Builder, message: dict, thinking: bool) -> None:
+    b.open("message", role="assistant", **_name(message))
+    if thinking:  # the think channel is structural: present even when empty
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        b.open("think")
+        if isinstance(reasoning, str) and reasoning.strip():
+            b.text(reasoning)
+        b.close("think")
+    b.open("response")
+    b.text(_content_text(message.get("content")))
+    b.close("response")
+    calls = message.get("tool_calls") or []
+    if calls:
+        b.open("tools")
+        for position, call in enumerate(calls, start=1):
+            _render_call(b, position, call)
+        b.close("tools")
+    b.end_message()
+
+
+def render_segments(messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                    thinking: bool = True, add_generation_prompt: bool = True) -> list[Segment]:
+    """The prompt as control tokens and text runs (adjacent text merged)."""
+    b = _Builder()
+    if tools:
+        b.open("message", role="system", type="tool-declare")
+        b.text(TOOLS_HEADER + json.dumps(list(tools), ensure_ascii=False, sort_keys=True,
+                                         separators=(",", ":")) + TOOLS_FOOTER)
+        b.end_message()
+    previous_calls: list = []
+    tool_index = 0
+    for position, message in enumerate(messages):
+        role = message.get("role")
+        if role in ("system", "developer", "user"):
+            b.open("message", role="user" if role == "user" else "system", **_name(message))
+            b.text(_content_text(message.get("content")))
+            b.end_message()
+        elif role == "assistant":
+            previous_calls, tool_index = message.get("tool_calls") or [], 0
+            _render_assistant(b, message, thinking)
+        elif role == "tool":
+            tool_index += 1
+            name = message.get("tool") or message.get("name")
+            if not name and tool_index <= len(previous_calls):
+                call = previous_calls[tool_index - 1]
+                name = call.get("function", call).get("name")
+            if not name:
+                raise ValueError(f"messages[{position}]: a tool message needs `name` or a "
+                                 f"preceding assistant tool call")
+            b.open("message", role="tool", tool=name, index=tool_index)
+            b.text(_content_text(message.get("content")))
+            b.end_message()
+        else:
+            raise ValueError(f"messages[{position}]: unsupported role {role!r}")
+    if add_generation_prompt:
+        b.open("message", role="assistant")
+        b.open("think" if thinking else "response")
+    return b.segments
+
+
+def render(messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+           thinking: bool = True, add_generation_prompt: bool = True) -> str:
+    """The prompt as one string (what `CHAT_TEMPLATE` renders)."""
+    return "".join(s.text for s in render_segments(
+        messages, tools=tools, thinking=thinking, add_generation_prompt=add_generation_prompt))
+
+
+def render_ids(tokenizer: _Encoder, messages: Sequence[dict], *,
+               tools: Sequence[dict] | None = None, thinking: bool = True,
+               add_generation_prompt: bool = True) -> list[int]:
+    """The prompt as token ids: template markers are special ids, every text run is encoded with
+    special tokens disallowed (so marker strings in user / tool text stay plain text)."""
+    ids: list[int] = []
+    for seg in render_segments(messages, tools=tools, thinking=thinking,
+                               add_generation_prompt=add_generation_prompt):
+        if seg.control:
+            if seg.text not in tokenizer.special_ids:
+                raise ValueError(f"tokenizer has no special token {seg.text!r}; it is not a K3 "
+                                 f"tokenizer (make one with write_k3_tokenizer)")
+            ids.append(tokenizer.special_ids[seg.text])
+        else:
+            ids.extend(tokenizer.encode(seg.text, allow_special=False))
+    return ids
+
+
+# The same template for Hugging Face's apply_chat_template (its `tojson` takes json.dumps keyword
+# arguments). Kwargs: tools, add_generation_prompt, thinking (or enable_thinking), default on.
+# Every literal is a Jinja expression, so trim_blocks / lstrip_blocks cannot change the output.
+_J_ATTR = '|string|replace("&", "&amp;")|replace(\'"\', "&quot;")'
+CHAT_TEMPLATE = "".join([
+    '{%- macro open(tag) -%}{{ "<|open|>" ~ tag ~ "<|sep|>" }}{%- endmacro -%}',
+    '{%- macro close(tag) -%}{{ "<|close|>" ~ tag ~ "<|sep|>" }}{%- endmacro -%}',
+    '{%- macro attr(k, v) -%}{{ " " ~ k ~ "=\\"" ~ (v', _J_ATTR, ') ~ "\\"" }}{%- endmacro -%}',
+    '{%- macro name_attr(m) -%}{%- if m.name is defined and m.name is string and m.name -%}',
+    '{{ attr("name", m.name) }}{%- endif -%}{%- endmacro -%}',
+    '{%- macro end() -%}{{ close("message") ~ "<|end_of_msg|>" }}{%- endmacro -%}',
+    '{%- macro body(c) -%}{%- if c is string -%}{{ c }}{%- elif c is iterable and c is not mapping -%}',
+    '{%- for p in c -%}{%- if p.text is defined and p.text is string -%}{{ p.text }}{%- endif -%}',
+    '{%- endfor -%}{%- endif -%}{%- endmacro -%}',
+    '{%- macro argtype(v) -%}{%- if v is boolean -%}boolean{%- elif v is none -%}null',
+    '{%- elif v is number -%}number{%- elif v is string -%}string{%- elif v is mapping -%}object',
+    '{%- else -%}array{%- endif -%}{%- endmacro -%}',
+    '{%- if thinking is defined -%}{%- set think = thinking -%}',
+    '{%- elif enable_thinking is defined -%}{%- set think = enable_thinking -%}',
+    '{%- else -%}{%- set think = true -%}{%- endif -%}',
+    '{%- if tools is defined and tools -%}',
+    '{{ open("message" ~ attr("role", "system") ~ attr("type", "tool-declare")) }}',
+    '{{ "# Tools\\nHere are the available tools, described in JSONSchema.\\n\\n```json\\n" }}',
+    '{{ tools|tojson(separators=(",", ":"), sort_keys=true) }}{{ "\\n```" }}{{ end() }}',
+    '{%- endif -%}',
+    '{%- set ns = namespace(calls=[], tool_index=0) -%}',
+    '{%- for m in messages -%}',
+    '{%- if m.role in ["system", "developer", "user"] -%}',
+    '{{ open("message" ~ attr("role", "user" if m.role == "user" else "system") ~ name_attr(m)) }}',
+    '{{ body(m.content) }}{{ end() }}',
+    '{%- elif m.role == "assistant" -%}',
+    '{%- set ns.calls = m.tool_calls if m.tool_calls is defined and m.tool_calls else [] -%}',
+    '{%- set ns.tool_index = 0 -%}',
+    '{{ open("message" ~ attr("role", "assistant") ~ name_attr(m)) }}',
+    '{%- if think -%}{{ open("think") }}',
+    '{%- set r = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content ',
+    'else (m.reasoning if m.reasoning is defined else none) -%}',
+    '{%- if r is string and r|trim -%}{{ r }}{%- endif -%}{{ close("think") }}{%- endif -%}',
+    '{{ open("response") }}{{ body(m.content) }}{{ close("response") }}',
+    '{%- if ns.calls -%}{{ open("tools") }}',
+    '{%- for c in ns.calls -%}{%- set f = c.function if c.function is defined else c -%}',
+    '{{ open("call" ~ attr("tool", f.name) ~ attr("index", loop.index)) }}',
+    '{%- if f.arguments is string -%}',
+    '{{ open("json" ~ attr("type", "object")) }}{{ f.arguments }}{{ close("json") }}',
+    '{%- elif f.arguments is mapping -%}{%- for k, v in f.arguments.items() -%}',
+    '{{ open("argument" ~ attr("key", k) ~ attr("type", argtype(v))) }}',
+    '{%- if v is string -%}{{ v }}{%- else -%}{{ v|tojson }}{%- endif -%}{{ close("argument") }}',
+    '{%- endfor -%}{%- endif -%}{{ close("call") }}{%- endfor -%}{{ close("tools") }}{%- endif -%}',
+    '{{ end() }}',
+    '{%- elif m.role == "tool" -%}',
+    '{%- set ns.tool_index = ns.tool_index + 1 -%}',
+    '{%- if m.tool is defined and m.tool -%}{%- set tname = m.tool -%}',
+    '{%- elif m.name is defined and m.name -%}{%- set tname = m.name -%}',
+    '{%- else -%}{%- set c = ns.calls[ns.tool_index - 1] -%}',
+    '{%- set tname = c.function.name if c.function is defined else c.name -%}{%- endif -%}',
+    '{{ open("message" ~ attr("role", "tool") ~ attr("tool", tname) ~ attr("index", ns.tool_index)) }}',
+    '{{ body(m.content) }}{{ end() }}',
+    '{%- endif -%}',
+    '{%- endfor -%}',
+    '{%- if add_generation_prompt -%}',
+    '{{ open("message" ~ attr("role", "assistant")) }}{{ open("think" if think else "response") }}',
+    '{%- endif -%}',
+])

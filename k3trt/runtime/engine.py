@@ -1,0 +1,148 @@
+"""Engine sessions: what runs one step's forward passes, behind one small interface.
+
+    session.prefill(batch) -> logits [len(batch.logit_rows), V] fp32   (token-capacity engines)
+    session.verify(batch)  -> logits [T, V] fp32, every row            (batch-capacity engines)
+    session.copy_kda(pairs)                 KDA slot copies (prefix-cache checkpoints), in order
+    session.rollback_kda(slots, positions)  KDA slot <- its state after position j of the last
+                                            verify step (speculative rollback, issue 5)
+
+A verify step holds S requests with 1 + len(drafts) rows each: decode is verify with no drafts.
+``Batch`` carries the step in the flat token layout of k3trt/model/context.py, on the host, plus
+the capacity it runs at; a graph- or engine-backed session pads to that capacity, the eager torch
+session runs the live rows only.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from k3trt.config import ModelConfig
+from k3trt.model.context import ModelCache, StepContext
+from k3trt.runtime.kv_cache import CachePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Seq:
+    """One sequence of a step: its new tokens after `ctx_len` cached ones."""
+    tokens: list[int]
+    ctx_len: int
+    blocks: list[int]
+    kda_slot: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor        # int64 [T]
+    q_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    slot_mapping: torch.Tensor     # int64 [T]: block · block_size + offset
+    block_table: torch.Tensor      # int32 [S, max_blocks] (unused entries 0)
+    kda_slots: torch.Tensor        # int64 [S]
+    logit_rows: torch.Tensor       # int64 [R]: the rows whose logits are wanted
+    capacity: int                  # the capacity bucket this step runs at
+    save_kda_states: bool = False  # keep the KDA state after every row (verification with drafts)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, all_logits: bool,
+               save_kda_states: bool = False) -> Batch:
+    """Flatten `seqs`; logits for every row (verify) or for each sequence's last row (prefill)."""
+    ids, slots, rows, t = [], [], [], 0
+    width = max(len(s.blocks) for s in seqs)
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        pos = torch.arange(s.ctx_len, s.ctx_len + len(s.tokens))
+        blocks = torch.tensor(s.blocks, dtype=torch.int64)
+        table[i, :len(s.blocks)] = blocks.to(torch.int32)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        ids.extend(s.tokens)
+        t += len(s.tokens)
+        rows.extend(range(t - len(s.tokens), t) if all_logits else [t - 1])
+    return Batch(input_ids=torch.tensor(ids, dtype=torch.int64), q_lens=tuple(len(s.tokens) for s in seqs),
+                 ctx_lens=tuple(s.ctx_len for s in seqs), slot_mapping=torch.cat(slots), block_table=table,
+                 kda_slots=torch.tensor([s.kda_slot for s in seqs], dtype=torch.int64),
+                 logit_rows=torch.tensor(rows, dtype=torch.int64), capacity=capacity,
+                 save_kda_states=save_kda_states)
+
+
+class EngineSession(abc.ABC):
+    """One loaded model with its caches on one device."""
+    cfg: ModelConfig
+    plan: CachePlan
+    device: torch.device
+
+    @abc.abstractmethod
+    def prefill(self, batch: Batch) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def verify(self, batch: Batch) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def copy_kda(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    @abc.abstractmethod
+    def rollback_kda(self, slots: list[int], positions: list[int]) -> None: ...
+
+
+class TorchSession(EngineSession):
+    """The eager torch backend: the model of k3trt/model run as is (CUDA graphs per capacity come
+    with the GPU issue)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, plan: CachePlan, *, device: torch.device | str,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0):
+        self.model, self.cfg, self.plan, self.device = model, cfg, plan, torch.device(device)
+        self.cache = ModelCache.allocate(cfg, num_blocks=plan.num_blocks, block_size=plan.block_size,
+                                         num_slots=plan.num_slots, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype,
+                                         kv_scale=kv_scale, device=self.device,
+                                         layers=range(cfg.num_hidden_layers))
+        log.info("torch session on %s: %d MLA + %d KDA layers, %s cache", self.device, len(self.cache.mla),
+                 len(self.cache.kda), kv_dtype)
+
+    def _forward(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        dev = self.device
+        ctx = StepContext(batch.q_lens, batch.ctx_lens, batch.slot_mapping.to(dev), batch.block_table.to(dev),
+                          batch.kda_slots.to(dev), batch.save_kda_states)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids.to(dev), ctx, self.cache)
+            return self.model.logits(hidden[rows.to(dev)])
+
+    def prefill(self, batch: Batch) -> torch.Tensor:
+        return self._forward(batch, batch.logit_rows)
+
+    def verify(self, batch: Batch) -> torch.Tensor:
+        return self._forward(batch, batch.logit_rows)
+
+    def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
+        with torch.inference_mode():
+            # one pair at a time, in order: a later pair may read a slot an earlier one wrote
+            for src, dst in pairs:
+                for layer in self.cache.kda.values():
+                    layer.state[dst].copy_(layer.state[src])
+                    layer.conv[dst].copy_(layer.conv[src])
+
+    def rollback_kda(self, slots: list[int], positions: list[int]) -> None:
+        s = torch.tensor(slots, device=self.device)
+        p = torch.tensor(positions, device=self.device)
+        with torch.inference_mode():
+            for layer in self.cache.kda.values():
+                layer.state[s] = layer.step_state[s, p]
+                layer.conv[s] = layer.step_conv[s, p]
+
+
+def open_torch_session(rank_dir, plan: CachePlan, *, device: torch.device | str, dtype: torch.dtype,
+                       kv_dtype: torch.dtype, kv_scale: float, max_q: int = 0) -> TorchSession:
+    """Load the weights of an engine dir's rank0/ and allocate the caches of `plan`."""
+    from k3trt.model.loader import load_model   # the one strict loader; imports the plugin ops too
+
+    cfg, model = load_model(rank_dir, dtype=dtype, device=device)
+    return TorchSession(model, cfg, plan, device=device, dtype=dtype, kv_dtype=kv_dtype, kv_scale=kv_scale,
+                        max_q=max_q)

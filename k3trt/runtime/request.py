@@ -1,0 +1,186 @@
+"""One request's record: its tokens, where its cache lives, its sampler state, its text, its stats.
+
+Everything a request owns (cache blocks, KDA slot, RNG, detokenizer, drafts) hangs off this record
+and is released by ``LLM._finish`` in one place, however the request ends. Token accounting:
+``token_ids`` = prompt + generated; the first ``num_computed`` of them are in the caches. A request
+that is decoding has exactly one token not yet computed (the last sampled one); speculative drafts
+(``drafts``) ride on top of it in the next verify step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3trt.runtime.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"        # queued (new, or preempted: caches dropped, recomputed on resume)
+    RUNNING = "running"        # holds a KDA slot and cache blocks
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"              # EOS, a stop token id or a stop string
+    LENGTH = "length"          # max_tokens or the engine's max_model_len
+    ABORT = "abort"            # cancelled by the caller
+    ERROR = "error"            # a fault confined to this request (see Request.error)
+
+
+@dataclass
+class RequestStats:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens served by the prefix cache (last admission)
+    preemptions: int = 0
+    drafted: int = 0            # speculative tokens proposed / accepted (issue 5)
+    accepted: int = 0
+    verify_steps: int = 0
+
+    def to_dict(self, output_tokens: int) -> dict[str, Any]:
+        end = self.finished or time.perf_counter()
+        run = end - (self.first_scheduled or end)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": output_tokens,
+            "cached_tokens": self.cached_tokens,
+            "preemptions": self.preemptions,
+            "time_to_first_token_s": None if self.first_token is None else self.first_token - self.arrival,
+            "latency_s": end - self.arrival,
+            "tokens_per_s": output_tokens / run if run > 0 else 0.0,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "mean_accepted_length": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request (``generate`` returns finished ones; ``stream`` yields deltas)."""
+    request_id: str
+    index: int                          # position in the caller's batch
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None   # the stop string or token id that ended it
+    error: str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def find_stop(text: str, start: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends after `start` (new text may complete one that
+    began earlier): (its position, the string), or None."""
+    lo = max(0, start - max(map(len, stops)) + 1)
+    hits = [(i, s) for s in stops if (i := text.find(s, lo)) >= 0]
+    return min(hits) if hits else None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    # owned resources (released together by LLM._finish / Scheduler.preempt)
+    blocks: list[int] = field(default_factory=list)
+    kda_slot: int | None = None
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    drafts: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)   # chain hashes of its full blocks
+    num_registered: int = 0             # leading blocks registered in the prefix cache
+    # output
+    text: str = ""
+    emitted_text: int = 0               # characters of `text` already streamed
+    emitted_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def decoding(self) -> bool:
+        """Every token but the last sampled one is cached: the next step is a verify (decode) step."""
+        return self.num_computed == len(self.token_ids) - 1 and self.num_output > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None, eos_ids: frozenset[int],
+                     max_model_len: int) -> tuple[FinishReason, str | int | None] | None:
+        """Commit one generated token; returns (reason, stop_reason) when it ends the request."""
+        p = self.params
+        self.token_ids.append(token)
+        if self.stats.first_token is None:
+            self.stats.first_token = time.perf_counter()
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        start = len(self.text)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.feed(token)
+        if token in eos_ids and not p.ignore_eos or token in p.stop_token_ids:
+            return FinishReason.STOP, token
+        if p.stop:
+            hit = find_stop(self.text, start, p.stop)
+            if hit is not None:
+                at, s = hit
+                self.text = self.text[:at + len(s) if p.include_stop_str_in_output else at]
+                return FinishReason.STOP, s
+        if self.num_output >= p.max_tokens or len(self.token_ids) >= max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def pending_text(self, hold: int) -> str:
+        """Text not yet streamed, keeping back the last `hold` characters (a possible stop-string
+        prefix) unless the request has finished."""
+        end = len(self.text) if self.finished else max(self.emitted_text, len(self.text) - hold)
+        out, self.emitted_text = self.text[self.emitted_text:end], end
+        return out
+
+    def snapshot(self, hold: int = 0) -> RequestOutput:
+        delta_text = self.pending_text(hold)
+        delta_ids, self.emitted_tokens = self.output_ids[self.emitted_tokens:], self.num_output
+        return RequestOutput(
+            request_id=self.request_id, index=self.index, prompt_token_ids=list(self.prompt_ids),
+            text=self.text if self.finished else self.text[:self.emitted_text], token_ids=self.output_ids,
+            finished=self.finished, finish_reason=self.finish_reason.value if self.finish_reason else None,
+            stop_reason=self.stop_reason, error=self.error, delta_text=delta_text, delta_token_ids=delta_ids,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            stats=self.stats.to_dict(self.num_output))

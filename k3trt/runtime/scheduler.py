@@ -1,0 +1,177 @@
+"""Which requests run in the next step, how many tokens each, and at which capacity.
+
+Policy (FCFS throughout; older requests never wait for newer ones):
+  1. decodes: every running request whose prompt is done brings 1 + len(drafts) verify rows. If its
+     blocks cannot grow, the newest running request is preempted (caches dropped, recomputed
+     later), down to the request itself.
+  2. prefill chunks for running requests that are still in their prompt, then admission of waiting
+     requests (a KDA slot, prefix-cache hit, blocks for the first chunk), under the step's token
+     budget (``max_num_tokens``, decode rows count first) and the largest prefill capacity. The
+     head of the queue blocks the ones behind it.
+Chunk ends fall on block boundaries when the prompt goes on (and, for the hybrid model with prefix
+caching, the last full block boundary gets its own chunk end) so that KDA state checkpoints exist
+where prefix hits can use them.
+
+Capacities: the verify step runs at the smallest verify capacity (a batch size) covering its
+requests, the prefill step at the smallest token capacity covering its tokens. Work past the
+largest capacity waits for the next step; nothing is truncated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3trt.runtime.kv_cache import CacheManager
+from k3trt.runtime.request import Request, Status
+
+log = logging.getLogger(__name__)
+
+
+def pick_capacity(capacities: tuple[int, ...], n: int) -> int:
+    """The smallest capacity >= n (capacities sorted ascending)."""
+    i = bisect.bisect_left(capacities, n)
+    if i == len(capacities):
+        raise ValueError(f"{n} exceeds the largest capacity {capacities[-1]}; the scheduler must split or queue")
+    return capacities[i]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_tokens: int                    # tokens per step: prefill chunks + verify rows
+    verify_capacities: tuple[int, ...]     # batch sizes; the largest is the live-request limit
+    prefill_capacities: tuple[int, ...]    # token counts
+    max_model_len: int
+    prefix_caching: bool = True
+    hybrid: bool = True                    # the model has KDA layers (checkpoint chunk ends)
+    spec_tokens: int = 0                   # most drafts per request (issue 5); 0: plain decode
+
+    def __post_init__(self) -> None:
+        for name in ("verify_capacities", "prefill_capacities"):
+            caps = getattr(self, name)
+            if not caps or list(caps) != sorted(set(caps)) or caps[0] < 1:
+                raise ValueError(f"{name} must be distinct positive integers in ascending order, got {caps}")
+        if self.max_num_tokens < self.max_batch * (1 + self.spec_tokens):
+            raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must cover the verify rows of every live "
+                             f"request ({self.max_batch} x {1 + self.spec_tokens})")
+
+    @property
+    def max_batch(self) -> int:
+        return self.verify_capacities[-1]
+
+
+@dataclass
+class Chunk:
+    req: Request
+    start: int             # first token (= tokens already cached)
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the request's last token, so its logits give the next token."""
+        return self.start + self.num_tokens == len(self.req.token_ids)
+
+
+@dataclass
+class StepPlan:
+    decodes: list[Request] = field(default_factory=list)     # each with 1 + len(drafts) rows
+    prefills: list[Chunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    verify_capacity: int | None = None
+    prefill_capacity: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        self.config, self.cache = config, cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []       # admission order: oldest first
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Forget a request (finished or cancelled); the caller releases its resources."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------------------- one step
+    def schedule(self) -> StepPlan:
+        plan, cfg = StepPlan(), self.config
+        budget = cfg.max_num_tokens
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or not req.decoding:
+                continue
+            rows = 1 + len(req.drafts)
+            while not self.cache.allocate(req, req.num_computed + rows):
+                victim = self.running[-1]
+                self.preempt(victim, plan)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                plan.decodes.append(req)
+                budget -= rows
+        prefill_budget = min(budget, cfg.prefill_capacities[-1])
+        for req in self.running:
+            if prefill_budget <= 0:
+                break
+            if not req.decoding and req.status is Status.RUNNING:
+                prefill_budget -= self._chunk(req, prefill_budget, plan)
+        while self.waiting and prefill_budget > 0 and self.cache.free_slots:
+            req = self.waiting[0]
+            self.cache.admit(req)
+            took = self._chunk(req, prefill_budget, plan)
+            if not took:
+                self.cache.free(req)     # not enough blocks yet: it stays at the head of the queue
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            prefill_budget -= took
+        if plan.decodes:
+            plan.verify_capacity = pick_capacity(cfg.verify_capacities, len(plan.decodes))
+        if plan.prefills:
+            plan.prefill_capacity = pick_capacity(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills))
+        return plan
+
+    def _chunk(self, req: Request, budget: int, plan: StepPlan) -> int:
+        """Schedule the next prompt chunk of `req` within `budget` tokens; returns its size (0: none fit)."""
+        bs, start, total = self.cache.block_size, req.num_computed, len(req.token_ids)
+        end = min(total, start + budget)
+        if self.config.prefix_caching:
+            if end < total and end - end % bs > start:
+                end -= end % bs                          # checkpoints only exist at block boundaries
+            elif end == total and self.config.hybrid and total % bs and total - total % bs > start:
+                end = total - total % bs                 # the prompt's last boundary gets a checkpoint
+        # fewer tokens if the pool cannot take them all (whole blocks; progress over waiting)
+        while end > start and not self.cache.allocate(req, end):
+            end = max(start, (self.cache.blocks_for(end) - 1) * bs)
+        if end == start:
+            return 0
+        plan.prefills.append(Chunk(req, start, end - start))
+        if req.stats.first_scheduled is None:
+            req.stats.first_scheduled = time.perf_counter()
+        return end - start
+
+    def preempt(self, req: Request, plan: StepPlan) -> None:
+        """Drop the request's caches and queue it first: it recomputes prompt + output on resume."""
+        log.info("preempting request %s (%d tokens cached): out of cache blocks", req.request_id, req.num_computed)
+        self.running.remove(req)
+        self.cache.free(req)
+        req.status = Status.WAITING
+        req.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        plan.preempted.append(req)

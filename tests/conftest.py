@@ -1,0 +1,34 @@
+import logging
+
+import pytest
+import torch
+
+import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200; results in benchmarks/results/)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny random-weight K3 checkpoint, made once per test session."""
+    from k3trt.model.make_checkpoint import make_checkpoint
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_ckpt):
+    """(cfg, model) loaded in fp32 on the CPU; tests must not modify its parameters."""
+    from k3trt.model.loader import load_model
+    return load_model(tiny_ckpt, dtype=torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger="k3trt")
