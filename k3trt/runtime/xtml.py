@@ -9,9 +9,9 @@ Delta contract (what the server relies on):
   `TOOL_ARGS` deltas that concatenate to exactly `arguments_json(call.arguments)`: a string value
   streams as its text arrives, any other value goes out when its block closes.
 - Truncation: a call still open when the stream ends is not a tool call (parse drops it); its name
-  and partial arguments may already have been streamed, since nothing can be taken back.
-- No special-token string (`<|open|>`, `<|sep|>`, `<|close|>`, `<|end_of_msg|>`) ever appears in
-  reasoning, content or an argument, not even one formed by text on both sides of dropped markup.
+  and partial arguments may already have been streamed (nothing can be taken back).
+- No special-token string (`<|open|>` `<|sep|>` `<|close|>` `<|end_of_msg|>`) ever appears in any
+  output text, not even one assembled from text on both sides of dropped markup.
 
 Structure rules beyond the spec (recovery from malformed output, chosen to be chunk-independent):
 - thinking on: output starts inside `think` (the prompt opened it); off: inside `response`, and a
@@ -65,15 +65,11 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _finite_float(text: str) -> float:
+def _finite(text: str) -> float:
     value = float(text)
-    if not math.isfinite(value):  # 1e999 would serialise as Infinity, which is not JSON
-        raise ValueError(text)
-    return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(name)  # NaN / Infinity are not JSON either
+    if math.isfinite(value):
+        return value
+    raise ValueError(text)  # NaN, Infinity, 1e999: json.dumps would write them, but not as JSON
 
 
 def typed_value(raw: str, type_: str) -> Any:
@@ -81,7 +77,7 @@ def typed_value(raw: str, type_: str) -> Any:
     if type_ == "string":
         return raw
     try:
-        return json.loads(raw, parse_float=_finite_float, parse_constant=_reject_constant)
+        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
     except ValueError:
         return raw
 
@@ -201,9 +197,8 @@ class _Lexer:
             # a stray <|sep|> outside a marker is dropped
 
     def finish(self) -> list[tuple]:
-        events = [] if self._header is not None or not self._buf else [("text", self._buf)]
-        if self._header is not None:
-            log.debug("xtml: dropping truncated marker %r", self._header + self._buf)
+        # held text that proved not to be a marker is text; a marker cut off is dropped
+        events = [("text", self._buf)] if self._header is None and self._buf else []
         self._buf, self._header = "", None
         return events
 
@@ -245,20 +240,17 @@ class StreamingParser:
     def finish(self) -> list[Delta]:
         for event in self._lexer.finish():
             self._handle(event)
-        if any(f.name == "call" for f in self._stack):
-            log.debug("xtml: output ended inside a tool call; it is not a tool call")
-        self._stack.clear()
+        self._stack.clear()  # a call still open is truncated: not a tool call
         self._ended = True
         return self._take()
 
     # ---- events -------------------------------------------------------------------------------
     def _handle(self, event: tuple) -> None:
+        kind = event[0]
         if self._ended:
             return
-        kind = event[0]
         if kind == "text":
-            self._text(event[1])
-            return
+            return self._text(event[1])
         self._top_started, self._top_pending = False, ""
         if kind == "end":
             self._pop_to(0)
@@ -306,8 +298,7 @@ class StreamingParser:
     # ---- tool calls ---------------------------------------------------------------------------
     def _open_call(self, attrs: dict[str, str]) -> None:
         if not attrs.get("tool"):
-            self._stack.append(_Frame("?"))
-            return
+            return self._stack.append(_Frame("?"))
         call = _Call(attrs["tool"], self._next_call)
         self._next_call += 1
         self._calls[call.index] = call
@@ -317,13 +308,11 @@ class StreamingParser:
     def _open_value(self, name: str, attrs: dict[str, str]) -> None:
         call = self._calls[self._stack[-1].call]
         if name == "json":
-            self._stack.append(_Frame("json", call=call.index, filter=_MarkerFilter()))
-            return
+            return self._stack.append(_Frame("json", call=call.index, filter=_MarkerFilter()))
         key, type_ = attrs.get("key"), attrs.get("type", "string")
         if key is None or key in call.keys:
             log.debug("xtml: dropping argument without a key or with a repeated key %r", key)
-            self._stack.append(_Frame("?"))
-            return
+            return self._stack.append(_Frame("?"))
         call.keys.add(key)
         self._stack.append(_Frame("argument", call=call.index, key=key, type=type_,
                                   filter=_MarkerFilter()))
@@ -347,7 +336,7 @@ class StreamingParser:
                 call.arguments[frame.key] = raw
                 self._emit(DeltaKind.TOOL_ARGS, '"', call.index)
             else:
-                self._add_argument(call, frame.key, typed_value(raw, frame.type), opened=True)
+                self._add_argument(call, frame.key, typed_value(raw, frame.type))
         elif frame.name == "json":
             call, raw = self._calls[frame.call], "".join(frame.raw)
             value = typed_value(raw, "object")
@@ -355,13 +344,11 @@ class StreamingParser:
                 log.debug("xtml: dropping a json block that is not an object: %r", raw[:80])
                 return
             for key, item in value.items():
-                self._add_argument(call, key, item, opened=False)
+                if key not in call.keys:
+                    call.keys.add(key)
+                    self._add_argument(call, key, item)
 
-    def _add_argument(self, call: _Call, key: str, value: Any, *, opened: bool) -> None:
-        if not opened:
-            if key in call.keys:
-                return
-            call.keys.add(key)
+    def _add_argument(self, call: _Call, key: str, value: Any) -> None:
         call.arguments[key] = value
         self._emit(DeltaKind.TOOL_ARGS, self._arg_sep(call) + _dumps(key) + ": " + _dumps(value),
                    call.index)
@@ -397,11 +384,10 @@ class StreamingParser:
             self._top_pending += text
 
     def _emit(self, kind: DeltaKind, text: str, index: int = -1) -> None:
-        if not text:
-            return
-        if self._out and self._out[-1].kind is kind and self._out[-1].index == index:
-            text = self._out.pop().text + text
-        self._out.append(Delta(kind, text, index))
+        if text and self._out and self._out[-1].kind is kind and self._out[-1].index == index:
+            text = self._out.pop().text + text  # one delta per run of the same kind
+        if text:
+            self._out.append(Delta(kind, text, index))
 
     def _take(self) -> list[Delta]:
         out, self._out = self._out, []
