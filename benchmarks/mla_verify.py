@@ -44,15 +44,14 @@ FLASHMLA_US = {
 
 
 def parse_config(spec: str, rows: int):
-    """'n32w8s2' (+ 'L' for lazy rescale) → KernelConfig for `rows` folded rows."""
+    """'n64w4s2d2' (BLOCK_N 64, 4 warps, 2 stages, d_v split over 2 programs; 'd' optional)
+    → KernelConfig for `rows` folded rows."""
     from k3trt.plugins.plans import KernelConfig, kernel_config
 
-    lazy = spec.endswith("L")
-    body = spec.rstrip("L")
+    body, _, dvs = spec.partition("d")
     n, rest = body[1:].split("w")
     w, s = rest.split("s")
-    block_m = kernel_config(rows, D_V).block_m
-    return KernelConfig(block_m, int(n), int(w), int(s), lazy)
+    return KernelConfig(kernel_config(rows, D_V).block_m, int(n), int(w), int(s), int(dvs or 1))
 
 
 def make_plan(batch, q_rows, heads, spec, kv_fp8, splits=None):
@@ -115,8 +114,10 @@ def graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
 
 def torch_verify(q, cache, table, seq_lens, q_rows, scale, kv_scale):
     """Plain torch: gather every page of the table, bf16 matmuls, fp32 softmax."""
+    from k3trt.plugins.mla_verify import gather_pages
+
     batch = table.shape[0]
-    kv = cache[table.long()].reshape(batch, -1, D_QK).to(q.dtype)
+    kv = gather_pages(cache, table.long()).reshape(batch, -1, D_QK).to(q.dtype)
     if cache.dtype == FP8:
         kv = kv * kv_scale
     qb = q.view(batch, -1, D_QK)

@@ -7,6 +7,7 @@ pages, DCP or masks; the paged cache handed to the op has NaN in every slot it m
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -225,13 +226,15 @@ def test_plans_capacities_and_pick():
     with pytest.raises(ValueError, match="exceed"):
         plans.pick_plan(ps, 29)
     for p in ps:
-        assert p.grid == (p.m_tiles, p.num_splits, p.capacity)
+        assert p.grid == (p.m_tiles * p.config.dv_split, p.num_splits, p.capacity)
         assert p.m_tiles == 1 and p.config.block_m == 64   # 4 rows × 12 heads in one tile
+        assert p.config.dv_split == (2 if p.capacity <= plans.SMALL_GRID else 1)
         assert 1 <= p.num_splits <= plans.MAX_SPLITS
         rows = p.capacity * 48 if p.num_splits > 1 else 0
         assert p.scratch_out_shape[0] == rows and p.scratch_bytes == 4 * rows * p.num_splits * 513
     big = plans.make_plan(128, 4, 96, 576, 512)
     assert big.m_tiles == 6 and big.num_splits == 1 and big.scratch_bytes == 0
+    assert big.config == plans.KernelConfig(64, 64, 8, 2)
     assert plans.make_plan(1, 4, 12, 576, 512).num_splits > 16   # one request fills the GPU
 
 
@@ -275,3 +278,24 @@ def test_reference_direct_matches_op():
     a = run_op(q, cache, table, seq_lens, case)
     b = mla_verify_ref(q, cache, table, seq_lens, case.q_per_req, case.width ** -0.5, 1.0, case.d_v)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("kv_type,capacity", [("BF16", 64), ("FP8", 1)])
+def test_trt_ptx_compiles_and_assembles(kv_type, capacity, tmp_path):
+    """The PTX the TensorRT AOT plugin would embed: compiles for SM90 without a GPU, carries
+    exactly TensorRT's parameters, and still assembles after the scratch parameters are dropped."""
+    pytest.importorskip("triton")
+    from k3trt.plugins.mla_verify_trt import compile_ptx
+    name, ptx, warps, shared, plan = compile_ptx("BF16", kv_type, num_heads=12, width=576, page=64,
+                                                 q_per_req=4, softmax_scale=0.07, kv_scale=0.5,
+                                                 capacity=capacity)
+    assert plan.num_splits == 1 and shared <= 227 * 1024 and warps * 32 <= 1024
+    assert ptx.count(f"{name}_param_") - len(re.findall(rf"\[{name}_param_", ptx)) == 17
+    try:  # the ptxas this triton assembles with (its PTX version may be newer than CUDA's)
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(90).path
+    except Exception:  # noqa: BLE001 - another triton layout: the compile above must do
+        return
+    (tmp_path / "k.ptx").write_text(ptx)
+    subprocess.run([ptxas, "-arch=sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                   check=True, capture_output=True)

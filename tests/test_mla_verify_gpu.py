@@ -41,12 +41,16 @@ def reference(q, cache, table, seq_lens, case, **kw):
                           case.kv_scale, case.d_v, **kw)
 
 
-def run_kernel(q, cache, table, seq_lens, case, splits=None, **kw):
+def run_kernel(q, cache, table, seq_lens, case, splits=None, dv_split=None, **kw):
     """The kernel through mla_triton directly, with poisoned outputs and scratch."""
     from k3trt.plugins import mla_triton, plans
     rows = q.shape[0] // case.q_per_req
+    config = plans.kernel_config(case.q_per_req * case.heads, case.d_v, cache.dtype == FP8, rows)
+    if dv_split:  # the other layout of the same kernel, whichever the default is
+        config = dataclasses.replace(config, dv_split=dv_split,
+                                     num_warps=config.num_warps * config.dv_split // dv_split)
     plan = plans.make_plan(rows, case.q_per_req, case.heads, case.width, case.d_v,
-                           kv_fp8=cache.dtype == FP8, num_splits=splits,
+                           kv_fp8=cache.dtype == FP8, num_splits=splits, config=config,
                            num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     out = torch.full((q.shape[0], case.heads, case.d_v), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
@@ -68,9 +72,10 @@ def check(out, lse, ref_out, ref_lse):
 
 @pytest.mark.parametrize("case", gpu_cases(), ids=str)
 @pytest.mark.parametrize("splits", [1, 5])
-def test_kernel_matches_reference(case, splits):
+@pytest.mark.parametrize("dv_split", [1, 2])
+def test_kernel_matches_reference(case, splits, dv_split):
     q, cache, table, seq_lens, _ = make_inputs(case, seed=splits, device="cuda")
-    out, lse = run_kernel(q, cache, table, seq_lens, case, splits)
+    out, lse = run_kernel(q, cache, table, seq_lens, case, splits, dv_split)
     ref_out, ref_lse = reference(q, cache, table, seq_lens, case)
     check(out, lse, ref_out, ref_lse)
 
@@ -85,7 +90,7 @@ def test_kernel_dcp_and_sparse(size, rank, inter):
     kw = dict(dcp_size=size, dcp_rank=rank, dcp_interleave=inter)
     check(*run_kernel(*args, case, 3, **kw), *reference(*args, case, **kw))
     sparse = dict(sparse_chunk=64, sparse_sink=1, sparse_stride=3, sparse_recent=2)
-    check(*run_kernel(*args, case, 3, **sparse), *reference(*args, case, **sparse))
+    check(*run_kernel(*args, case, 3, **kw, **sparse), *reference(*args, case, **kw, **sparse))
 
 
 def test_op_dispatches_to_kernel_and_captures_in_graph():

@@ -54,6 +54,8 @@ def shard_paged_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len
     float caches) so that a kernel reading past a length shows up in the tests. Host-side and
     meant for tests and the DCP simulation, not for the serving path.
     """
+    from .mla_verify import gather_pages
+
     page, width = kv_cache.shape[1], kv_cache.shape[2]
     lens = [int(x) for x in seq_lens.tolist()]
     shards = []
@@ -63,7 +65,7 @@ def shard_paged_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len
             t = torch.arange(length)
             mine = t[token_rank(t, size, interleave) == rank]  # already in local order
             nblk = -(-length // page)
-            flat = kv_cache[block_table[b, :nblk].long()].reshape(-1, width)[mine]
+            flat = gather_pages(kv_cache, block_table[b, :nblk].long()).reshape(-1, width)[mine]
             pages = -(-mine.numel() // page)
             padded = _nan_like(kv_cache, pages * page, width)
             padded[: mine.numel()] = flat
@@ -110,7 +112,7 @@ def simulate_dcp_group(q_per_rank: list[torch.Tensor],
     size = len(shards)
     log = DcpLog()
     if q_rep:
-        if any(q.shape != q_per_rank[0].shape for q in q_per_rank):
+        if any(not torch.equal(q, q_per_rank[0]) for q in q_per_rank):
             raise ValueError("q-rep expects the same full query on every rank")
         q_full = q_per_rank[0]
     else:

@@ -7,7 +7,8 @@ sums of exp over each side's keys. Returns out [T, H, d_v] in out_a's dtype and 
 ``m = max(a, b)``, ``out = (e^{a-m}·A + e^{b-m}·B) / (e^{a-m} + e^{b-m})``,
 ``lse = m + log(e^{a-m} + e^{b-m})``. A side whose lse is -inf contributes nothing (its out is not
 read, so garbage there is harmless); both -inf gives out = 0, lse = -inf. Arithmetic in fp32.
-On CUDA a one-pass Triton kernel is used (the torch form makes ~10 passes over out).
+On CUDA a one-pass Triton kernel is used (the torch form is ~10 elementwise passes over out; the
+kernel was checked on the H200, not timed on its own).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ scores and the first d_v columns are the values, so each chunk is loaded once fo
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ import triton.language as tl
 from .plans import VerifyPlan
 
 LOG2E = 1.4426950408889634
+CHUNK_TOKENS = 2048  # page ids held in registers per outer step
 
 
 @triton.jit
@@ -40,11 +43,50 @@ def _mla_verify_kernel(
     qk_scale, v_scale, stride_bt, rows_per_req, num_heads, q_per_req, num_splits, min_split_tokens,
     dcp_size, dcp_rank, dcp_interleave, sp_chunk, sp_sink, sp_stride, sp_recent,
     PAGE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr,
-    LAZY: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, TILES_PER_PAGE: tl.constexpr,
+    SPLIT: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr, DV_SPLIT: tl.constexpr,
+):
+    _mla_verify_tile(Q, KV, BT, SL, O, LSE, OP, LSEP, qk_scale, v_scale, stride_bt, rows_per_req,
+                     num_heads, q_per_req, num_splits, min_split_tokens, dcp_size, dcp_rank,
+                     dcp_interleave, sp_chunk, sp_sink, sp_stride, sp_recent, PAGE, DV, DR,
+                     BLOCK_M, BLOCK_N, CHUNK_PAGES, TILES_PER_PAGE, SPLIT, SPARSE, KV_FP8, DV_SPLIT)
+
+
+@triton.jit
+def mla_verify_trt_kernel(
+    Q, KV, BT, SL,
+    stride_bt, rows_per_req, num_heads, q_per_req, dcp_size, dcp_rank, dcp_interleave,
+    sp_chunk, sp_sink, sp_stride, sp_recent,
+    O, LSE,
+    QK_SCALE: tl.constexpr, V_SCALE: tl.constexpr, PAGE: tl.constexpr, DV: tl.constexpr,
+    DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr,
+    TILES_PER_PAGE: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
+):
+    """The TensorRT AOT entry (mla_verify_trt.py): TensorRT's launch order (inputs, int32
+    scalars, outputs), float scales baked in as constants, no split-K (one kernel, no scratch)."""
+    _mla_verify_tile(Q, KV, BT, SL, O, LSE, O, LSE, QK_SCALE, V_SCALE, stride_bt, rows_per_req,
+                     num_heads, q_per_req, 1, 1, dcp_size, dcp_rank, dcp_interleave, sp_chunk,
+                     sp_sink, sp_stride, sp_recent, PAGE, DV, DR, BLOCK_M, BLOCK_N, CHUNK_PAGES,
+                     TILES_PER_PAGE, False, SPARSE, KV_FP8, DV_SPLIT)
+
+
+@triton.jit
+def _mla_verify_tile(
+    Q, KV, BT, SL, O, LSE, OP, LSEP,
+    qk_scale, v_scale, stride_bt, rows_per_req, num_heads, q_per_req, num_splits, min_split_tokens,
+    dcp_size, dcp_rank, dcp_interleave, sp_chunk, sp_sink, sp_stride, sp_recent,
+    PAGE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, TILES_PER_PAGE: tl.constexpr,
+    SPLIT: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr, DV_SPLIT: tl.constexpr,
 ):
     D: tl.constexpr = DV + DR
-    pid_m = tl.program_id(0)
+    DVT: tl.constexpr = DV // DV_SPLIT
+    # with DV_SPLIT = 2 a pair of adjacent programs shares an M tile, each owning half of the
+    # output columns and computing the full scores itself: one warpgroup per program, so the
+    # softmax needs no exchange between warpgroups (the pair's second KV read comes from L2)
+    pid_m = tl.program_id(0) // DV_SPLIT
+    pid_v = tl.program_id(0) % DV_SPLIT
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
 
@@ -52,59 +94,60 @@ def _mla_verify_kernel(
     n = _local_len(length, dcp_size, dcp_rank, dcp_interleave)
     n_tiles = tl.cdiv(n, BLOCK_N)
     # the split count is fixed by the plan; a short request spreads over fewer splits so that no
-    # split holds a sliver (the others find an empty range and only write lse = -inf)
+    # split holds a sliver (the others find an empty range and only write lse = -inf). Splits
+    # start on page boundaries so that a chunk's page ids are one aligned slice of the table.
     active = tl.maximum(tl.minimum(num_splits, tl.cdiv(n, min_split_tokens)), 1)
-    per = tl.cdiv(n_tiles, active)
+    per = tl.cdiv(tl.cdiv(n_tiles, active), TILES_PER_PAGE) * TILES_PER_PAGE
     t_lo = pid_s * per
     t_hi = tl.minimum(t_lo + per, n_tiles)
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < rows_per_req
     vis = _local_len(tl.maximum(length - (q_per_req - 1 - offs_m // num_heads), 0),
                      dcp_size, dcp_rank, dcp_interleave)
     row = b.to(tl.int64) * rows_per_req + offs_m
-    offs_v = tl.arange(0, DV)
+    offs_v = pid_v * DVT + tl.arange(0, DVT)           # this program's value columns
+    offs_w = (1 - pid_v) * DVT + tl.arange(0, DVT)     # the rest of kv_c (scores only)
     offs_r = tl.arange(0, DR)
     q_ptr = Q + row[:, None] * D
     qn = tl.load(q_ptr + offs_v[None, :], mask=m_ok[:, None], other=0.0)
+    if DV_SPLIT == 2:
+        qw = tl.load(q_ptr + offs_w[None, :], mask=m_ok[:, None], other=0.0)
     qr = tl.load(q_ptr + DV + offs_r[None, :], mask=m_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVT], tl.float32)
     n_chunks = tl.cdiv(n, tl.maximum(sp_chunk, 1))
-    for t in range(t_lo, t_hi):
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n
-        if SPARSE:
-            c = offs_n // sp_chunk
-            n_ok &= (c < sp_sink) | (c >= n_chunks - sp_recent) | ((c - sp_sink) % sp_stride == 0)
-        page = tl.load(BT + b * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
-        kv_ptr = KV + (page.to(tl.int64) * PAGE + offs_n % PAGE)[:, None] * D
-        kn = tl.load(kv_ptr + offs_v[None, :], mask=n_ok[:, None], other=0.0)
-        kr = tl.load(kv_ptr + DV + offs_r[None, :], mask=n_ok[:, None], other=0.0)
-        if KV_FP8:
-            kn = kn.to(qn.dtype)
-            kr = kr.to(qn.dtype)
-        s = tl.dot(qn, tl.trans(kn))
-        s = tl.dot(qr, tl.trans(kr), s) * qk_scale
-        s = tl.where((offs_n[None, :] < vis[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_tile = tl.max(s, 1)
-        if LAZY:
-            # move the reference max only when a row outgrows it by 2^8 (p <= 256 stays exact
-            # enough in fp32 sums and bf16 P), so most steps skip the M×DV rescale of acc
-            if tl.sum((m_tile > m_i + 8.0).to(tl.int32), 0) > 0:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_i += tl.sum(p, 1)
-            acc = tl.dot(p.to(kn.dtype), kn, acc)
-        else:
-            m_new = tl.maximum(m_i, m_tile)
+    offs_p = tl.arange(0, CHUNK_PAGES)
+    offs_t = tl.arange(0, BLOCK_N)
+    n_pages = tl.cdiv(n, PAGE)
+    for c in range(t_lo, t_hi, CHUNK_PAGES * TILES_PER_PAGE):
+        # the chunk's page ids sit in registers, so the inner loop's KV addresses depend on no
+        # load of its own and the pipeliner can issue them num_stages - 1 steps ahead
+        pg0 = c // TILES_PER_PAGE
+        pages = tl.load(BT + b * stride_bt + pg0 + offs_p, mask=pg0 + offs_p < n_pages, other=0)
+        for t in range(c, tl.minimum(c + CHUNK_PAGES * TILES_PER_PAGE, t_hi)):
+            page = tl.sum(tl.where(offs_p == t // TILES_PER_PAGE - pg0, pages, 0), 0)
+            offs_n = t * BLOCK_N + offs_t
+            n_ok = offs_n < n
+            if SPARSE:
+                c_id = offs_n // sp_chunk
+                n_ok &= ((c_id < sp_sink) | (c_id >= n_chunks - sp_recent)
+                         | ((c_id - sp_sink) % sp_stride == 0))
+            row0 = page.to(tl.int64) * PAGE + (t % TILES_PER_PAGE) * BLOCK_N
+            kv_ptr = KV + (row0 + offs_t)[:, None] * D
+            kn = tl.load(kv_ptr + offs_v[None, :], mask=n_ok[:, None], other=0.0)
+            kr = tl.load(kv_ptr + DV + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+            if KV_FP8:
+                kn = kn.to(qn.dtype)
+                kr = kr.to(qn.dtype)
+            s = tl.dot(qn, tl.trans(kn))
+            if DV_SPLIT == 2:
+                kw = tl.load(kv_ptr + offs_w[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.dot(qw, tl.trans(kw.to(qn.dtype)), s)
+            s = tl.dot(qr, tl.trans(kr), s) * qk_scale
+            s = tl.where((offs_n[None, :] < vis[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
@@ -118,13 +161,13 @@ def _mla_verify_kernel(
                    float("-inf"))
     if SPLIT:
         prow = row * num_splits + pid_s
-        tl.store(LSEP + prow, lse, mask=m_ok)
+        tl.store(LSEP + prow, lse, mask=m_ok & (pid_v == 0))
         # an empty split is never read back (its lse is -inf), so skip its 2 KB per row
         tl.store(OP + prow[:, None] * DV + offs_v[None, :], o, mask=(m_ok & seen)[:, None])
     else:
         tl.store(O + row[:, None] * DV + offs_v[None, :], o.to(O.dtype.element_ty),
                  mask=m_ok[:, None])
-        tl.store(LSE + row, lse, mask=m_ok)
+        tl.store(LSE + row, lse, mask=m_ok & (pid_v == 0))
 
 
 @triton.jit
@@ -192,14 +235,18 @@ def mla_verify_fwd(plan: VerifyPlan, q, kv_cache, block_table, seq_lens, q_per_r
     else:
         part_o, part_lse = out, lse  # unused
     cfg = plan.config
-    _mla_verify_kernel[(plan.m_tiles, splits, batch)](
+    page = kv_cache.shape[1]
+    block_n = math.gcd(cfg.block_n, page)  # a tile never straddles two pages
+    _mla_verify_kernel[(plan.m_tiles * cfg.dv_split, splits, batch)](
         q, kv_cache, block_table, seq_lens, out, lse, part_o, part_lse,
         softmax_scale * kv_scale * LOG2E, kv_scale, block_table.stride(0), q_per_req * heads,
         heads, q_per_req, splits, plan.min_split_tokens, dcp_size, dcp_rank, dcp_interleave,
         sparse_chunk, sparse_sink, sparse_stride, sparse_recent,
-        PAGE=kv_cache.shape[1], DV=d_v, DR=width - d_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1, SPARSE=sparse_chunk > 0 and sparse_stride > 1,
-        KV_FP8=kv_cache.dtype == torch.float8_e4m3fn, LAZY=cfg.lazy_rescale,
+        PAGE=page, DV=d_v, DR=width - d_v, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        CHUNK_PAGES=triton.next_power_of_2(max(1, CHUNK_TOKENS // page)),
+        TILES_PER_PAGE=page // block_n, SPLIT=splits > 1,
+        SPARSE=sparse_chunk > 0 and sparse_stride > 1, KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        DV_SPLIT=cfg.dv_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _merge_splits_kernel[(rows,)](part_o, part_lse, out, lse, splits, DV=d_v,

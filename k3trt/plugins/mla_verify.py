@@ -15,7 +15,8 @@ paged latent cache, one pass over the cache for all rows and heads (speculative 
 Layout. D = kv_lora_rank + rope dim (K3: 512 + 64 = 576); each cache row is [kv_c (d_v) | k_rope]
 and serves as key (all D columns) and value (first d_v columns). Token i of request b (local index
 under DCP) is row ``i % page_size`` of page ``block_table[b, i // page_size]``; page_size is a
-multiple of 16. Slots past a request's length are never read (may hold NaN).
+multiple of 16. Slots past a request's length are never read (may hold NaN); the block-table row
+must cover the (local) length: the kernel does not bounds-check page ids.
 
 Semantics. Row j (0..Q-1) of request b sees global positions < ``seq_lens[b] - (Q-1-j)`` (causal
 over the drafts). ``lse`` is the natural log of the sum of exp(softmax_scale·q·k) over the keys the
@@ -81,7 +82,10 @@ def mla_verify_ref(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale,
         if n == 0:
             continue
         pages = block_table[b, : -(-n // page)].long()
-        kv = kv_cache[pages].reshape(-1, kv_cache.shape[2])[:n].float() * kv_scale
+        if pages.numel() * page < n:
+            raise ValueError(f"mla_verify: request {b} needs {n} cache tokens but its block-table "
+                             f"row holds {block_table.shape[1]} pages of {page}")
+        kv = gather_pages(kv_cache, pages).reshape(-1, kv_cache.shape[2])[:n].float() * kv_scale
         lo = b * q_per_req
         s = torch.einsum("jhd,nd->jhn", q[lo:lo + q_per_req].float(), kv) * softmax_scale
         pos = torch.arange(n, device=q.device)
@@ -97,6 +101,13 @@ def mla_verify_ref(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale,
         out[lo:lo + q_per_req] = torch.where(seen, o / total.clamp_min(1e-30)[..., None], 0.0)
         lse[lo:lo + q_per_req] = torch.where(total > 0, m_safe + torch.log(total), float("-inf"))
     return out.to(q.dtype), lse
+
+
+def gather_pages(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """kv_cache[pages], through a byte view for fp8 (not every backend indexes fp8 directly)."""
+    if kv_cache.element_size() == 1:
+        return kv_cache.view(torch.uint8)[pages].view(kv_cache.dtype)
+    return kv_cache[pages]
 
 
 @torch.library.custom_op("k3trt::mla_verify", mutates_args=())

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 H200_SMS = 132
 MAX_SPLITS = 128
+SMALL_GRID = 8  # (request, M-tile) pairs below which a plan splits d_v over program pairs
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class KernelConfig:
     block_n: int       # cache tokens per inner step
     num_warps: int
     num_stages: int
-    lazy_rescale: bool = False  # rescale acc only when a row max grows by > 2^8
+    dv_split: int = 1  # programs sharing an M tile, each owning d_v / dv_split output columns
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class VerifyPlan:
     def grid(self) -> tuple[int, int, int]:
         # m-tiles vary fastest so the programs that share a request's KV chunk run side by side
         # and the repeats of a chunk come from L2
-        return (self.m_tiles, self.num_splits, self.capacity)
+        return (self.m_tiles * self.config.dv_split, self.num_splits, self.capacity)
 
     @property
     def scratch_out_shape(self) -> tuple[int, ...]:
@@ -84,13 +85,22 @@ def capacities(max_batch: int) -> list[int]:
     return caps + [max_batch]
 
 
-def kernel_config(rows_per_req: int, d_v: int, kv_fp8: bool = False) -> KernelConfig:
-    """Tile shape for a head layout; the tile's M folds rows × heads of one request."""
+def kernel_config(rows_per_req: int, d_v: int, kv_fp8: bool = False,
+                  capacity: int | None = None) -> KernelConfig:
+    """Tile shape for a head layout; the tile's M folds rows × heads of one request.
+
+    d_v = 512 (K3), from the H200 sweeps in benchmarks/results/mla_verify_notes.md: 64-token
+    steps on two warpgroups win once the grid has work for the whole GPU; a small grid (a few
+    requests) does better with the value columns split over program pairs of one warpgroup each (twice the
+    programs, no softmax exchange between warpgroups), up to 1.8x at short contexts."""
     block_m = min(64, max(16, 1 << (rows_per_req - 1).bit_length()))
     if d_v >= 512:
-        # a 64×512 fp32 accumulator needs two warpgroups; 32-token steps keep q plus two KV
-        # stages inside the 227 KB of shared memory
-        return KernelConfig(block_m, 32, 8, 2)
+        m_tiles = -(-rows_per_req // block_m)
+        if capacity is not None and capacity * m_tiles <= SMALL_GRID:
+            return KernelConfig(block_m, 32, 4, 3, dv_split=2)
+        # a 64×512 fp32 accumulator needs two warpgroups; q plus two 64-token KV stages fill
+        # the 227 KB of shared memory
+        return KernelConfig(block_m, 64, 8, 2)
     if d_v >= 256:
         return KernelConfig(block_m, 32, 8, 2)
     return KernelConfig(block_m, 64, 4, 2)
@@ -112,9 +122,9 @@ def choose_splits(programs: int, num_sms: int, max_splits: int = MAX_SPLITS) -> 
 def make_plan(capacity: int, q_per_req: int, num_heads: int, d_qk: int, d_v: int, *,
               kv_fp8: bool = False, num_sms: int = H200_SMS,
               config: KernelConfig | None = None, num_splits: int | None = None) -> VerifyPlan:
-    cfg = config or kernel_config(q_per_req * num_heads, d_v, kv_fp8)
+    cfg = config or kernel_config(q_per_req * num_heads, d_v, kv_fp8, capacity)
     m_tiles = -(-q_per_req * num_heads // cfg.block_m)
-    splits = num_splits or choose_splits(capacity * m_tiles, num_sms)
+    splits = num_splits or choose_splits(capacity * m_tiles * cfg.dv_split, num_sms)
     return VerifyPlan(capacity, q_per_req, num_heads, d_qk, d_v, cfg, splits,
                       min_split_tokens=4 * cfg.block_n, num_sms=num_sms)
 
