@@ -1,3 +1,18 @@
-"""k3trt: a compiled engine builder and runtime for Kimi K3."""
+"""k3trt: a compiled engine builder and runtime for Kimi K3.
+
+    from k3trt import LLM, SamplingParams
+"""
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import k3trt` (and the CLI's --help) does not pay for torch and the model code.
+    if name == "LLM":
+        from k3trt.runtime.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from k3trt.runtime.params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'k3trt' has no attribute {name!r}")

@@ -38,5 +38,68 @@ def make_checkpoint_cmd(preset: str, output: str, seed: int, quant: str, device:
     click.echo(str(path))
 
 
+def _int_list(ctx, param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not out or any(x <= 0 for x in out):
+        raise click.BadParameter(f"{value!r}: capacities must be positive integers")
+    return out
+
+
+@main.command("build")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), required=True, help="engine directory to write")
+@click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt", "tensorrt-rtx"]), default="auto",
+              show_default=True)
+@click.option("--capacities", callback=_int_list, help="verify batch capacities, e.g. 1,2,4,8 (default: powers of two)")
+@click.option("--max-num-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="largest prefill token capacity")
+@click.option("--spec-tokens", type=click.IntRange(0, 7), default=3, show_default=True,
+              help="K: drafts verified per step (each verify row group is K+1 rows)")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32", "fp8"]), default="auto",
+              show_default=True, help="MLA cache dtype (auto: the model dtype)")
+@click.option("--block-size", type=click.IntRange(min=16), default=64, show_default=True)
+@click.option("--target", default=None, help="GPU target for engine backends, e.g. sm90, sm120")
+def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
+              block_size, target) -> None:
+    """Compile CHECKPOINT into an engine directory."""
+    from k3trt.builder.build import build_engine
+    try:
+        path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
+                            max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
+                            dtype=dtype, block_size=block_size, target=target)
+    except (ValueError, FileExistsError, NotImplementedError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(path))
+
+
+@main.command("run")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "-p", required=True)
+@click.option("--chat", is_flag=True, help="wrap the prompt as a user message in the K3 chat template")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp")
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
+def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, device, as_json) -> None:
+    """Generate from ENGINE_DIR."""
+    import json
+
+    from k3trt.runtime.llm import run
+    try:
+        out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                  device=device, speculative=speculative)
+    except (ValueError, NotImplementedError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(out) if as_json else out["text"])
+
+
 if __name__ == "__main__":
     main()

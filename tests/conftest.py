@@ -5,6 +5,9 @@ import torch
 
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
 
+# Tiny models are latency-bound: one thread is faster than two fighting over CI's 2 cores.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

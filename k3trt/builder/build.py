@@ -17,25 +17,15 @@ from typing import Sequence
 
 import torch
 
-from k3trt.builder.engine_dir import DTYPES, BuildConfig, Capacities, write_engine_dir
+from k3trt.builder.capacities import Capacities
+from k3trt.builder.engine_dir import DTYPES, BuildConfig, write_engine_dir
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
-from k3trt.plugins.plans import capacities as batch_capacities
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 32
-MIN_PREFILL_CAPACITY = 16
 WEIGHT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json")
-
-
-def prefill_capacities(max_num_tokens: int) -> tuple[int, ...]:
-    """Token capacities: powers of two from 16 below max_num_tokens, then max_num_tokens."""
-    caps, c = [], MIN_PREFILL_CAPACITY
-    while c < max_num_tokens:
-        caps.append(c)
-        c *= 2
-    return tuple(caps) + (max_num_tokens,)
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
@@ -52,7 +42,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                  kv_dtype: str = "auto", dtype: str | torch.dtype = "bf16", block_size: int = 64,
                  max_seq_len: int | None = None, target: str | None = None) -> Path:
     """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
-    the largest being the live-request limit); prefill token capacities follow max_num_tokens."""
+    the largest being the live-request limit); prefill token capacities are the powers of two up
+    to max_num_tokens (builder/capacities.py)."""
     checkpoint, output = Path(checkpoint), Path(output)
     if backend == "auto":
         backend = "torch"       # the only backend this builder writes so far
@@ -61,14 +52,11 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                                   f"use --backend torch")
     cfg = ModelConfig.from_json(checkpoint)
     model_raw = json.loads((checkpoint / "config.json").read_text())
-    verify = tuple(capacities) if capacities else tuple(batch_capacities(DEFAULT_MAX_BATCH))
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
-                        max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
+                        max_num_tokens=max_num_tokens,
                         max_seq_len=min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
-    caps = Capacities(verify=verify, prefill=prefill_capacities(max_num_tokens))
-    if max_num_tokens < caps.verify[-1] * (1 + spec_tokens):
-        raise ValueError(f"max_num_tokens ({max_num_tokens}) must cover the largest verify capacity's rows "
-                         f"({caps.verify[-1]} x {1 + spec_tokens}); raise it or lower the capacities")
+    caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
+                           verify=capacities or None)
     with CheckpointReader(checkpoint) as reader:     # headers and index only: cheap, catches broken shards
         weights = set(reader.shards)
     log.info("building torch engine from %s: %d weight files, verify capacities %s, prefill capacities %s",

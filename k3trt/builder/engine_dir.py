@@ -2,7 +2,7 @@
 
     ENGINE_DIR/config.json   {"format_version": 1, "k3trt_version", "backend", "target",
                               "model": the checkpoint's config.json (as read),
-                              "build": BuildConfig, "capacities": {"verify": [...], "prefill": [...]},
+                              "build": BuildConfig, "capacities": builder.capacities.Capacities,
                               "files": {relative path: sha256 hex}}
     ENGINE_DIR/rank0/        backend files (torch: the checkpoint's config + safetensors shards)
     ENGINE_DIR/tokenizer/    tokenizer files + chat template (optional)
@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 import k3trt
+from k3trt.builder.capacities import Capacities
 from k3trt.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ class BuildConfig:
     block_size: int = 64
     max_num_tokens: int = 8192     # tokens per step: prefill chunk + verify rows
     max_seq_len: int = 8192        # prompt + output per request
-    spec_tokens: int = 3           # drafts per request the verify capacities were sized for
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -68,7 +68,6 @@ class BuildConfig:
         need(self.block_size > 0 and self.block_size % 16 == 0, "block_size", "must be a positive multiple of 16")
         need(self.max_num_tokens > 0, "max_num_tokens", "must be > 0")
         need(self.max_seq_len > 1, "max_seq_len", "must be > 1")
-        need(0 <= self.spec_tokens <= 7, "spec_tokens", "must be in 0..7")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -77,18 +76,6 @@ class BuildConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self.kv_dtype == "fp8" else self.torch_dtype
-
-
-@dataclass(frozen=True)
-class Capacities:
-    verify: tuple[int, ...]        # batch sizes (each runs B x (spec_tokens + 1) rows)
-    prefill: tuple[int, ...]       # token counts
-
-    def __post_init__(self) -> None:
-        for name in ("verify", "prefill"):
-            caps = getattr(self, name)
-            if not caps or any(not isinstance(c, int) or c < 1 for c in caps) or list(caps) != sorted(set(caps)):
-                raise ValueError(f"{name} capacities must be distinct positive integers in ascending order, got {caps}")
 
 
 @dataclass(frozen=True)
@@ -141,7 +128,7 @@ def write_engine_dir(output: str | Path, *, backend: str, target: str | None, mo
             files[rel] = sha256_file(p)
         config = {"format_version": FORMAT_VERSION, "k3trt_version": k3trt.__version__, "backend": backend,
                   "target": target, "model": model_raw, "build": dataclasses.asdict(build),
-                  "capacities": {"verify": list(capacities.verify), "prefill": list(capacities.prefill)},
+                  "capacities": capacities.to_dict(),
                   "files": files}
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if output.exists():
@@ -179,7 +166,7 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
         ed = EngineDir(path=path, backend=got, target=raw.get("target"),
                        model=ModelConfig.from_dict(raw["model"]), model_raw=raw["model"],
                        build=BuildConfig(**raw["build"]),
-                       capacities=Capacities(tuple(raw["capacities"]["verify"]), tuple(raw["capacities"]["prefill"])),
+                       capacities=Capacities.from_dict(raw["capacities"]),
                        files=dict(raw["files"]), k3trt_version=raw.get("k3trt_version", "?"))
     except (KeyError, TypeError, ValueError) as e:
         raise EngineDirError(f"{cfg_path} is malformed ({type(e).__name__}: {e}); {_REBUILD}") from None

@@ -34,6 +34,7 @@ class Seq:
     ctx_len: int
     blocks: list[int]
     kda_slot: int
+    num_logits: int                # logits wanted for this many trailing rows (prefill: 0 or 1)
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,8 @@ class Batch:
         return len(self.input_ids)
 
 
-def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, all_logits: bool,
-               save_kda_states: bool = False) -> Batch:
-    """Flatten `seqs`; logits for every row (verify) or for each sequence's last row (prefill)."""
+def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_states: bool = False) -> Batch:
+    """Flatten `seqs` into one step (host tensors)."""
     ids, slots, rows, t = [], [], [], 0
     width = max(len(s.blocks) for s in seqs)
     table = torch.zeros(len(seqs), width, dtype=torch.int32)
@@ -66,7 +66,7 @@ def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, all_logits: b
         slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         ids.extend(s.tokens)
         t += len(s.tokens)
-        rows.extend(range(t - len(s.tokens), t) if all_logits else [t - 1])
+        rows.extend(range(t - s.num_logits, t))
     return Batch(input_ids=torch.tensor(ids, dtype=torch.int64), q_lens=tuple(len(s.tokens) for s in seqs),
                  ctx_lens=tuple(s.ctx_len for s in seqs), slot_mapping=torch.cat(slots), block_table=table,
                  kda_slots=torch.tensor([s.kda_slot for s in seqs], dtype=torch.int64),
@@ -107,19 +107,19 @@ class TorchSession(EngineSession):
         log.info("torch session on %s: %d MLA + %d KDA layers, %s cache", self.device, len(self.cache.mla),
                  len(self.cache.kda), kv_dtype)
 
-    def _forward(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> torch.Tensor:
         dev = self.device
         ctx = StepContext(batch.q_lens, batch.ctx_lens, batch.slot_mapping.to(dev), batch.block_table.to(dev),
                           batch.kda_slots.to(dev), batch.save_kda_states)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids.to(dev), ctx, self.cache)
-            return self.model.logits(hidden[rows.to(dev)])
+            return self.model.logits(hidden[batch.logit_rows.to(dev)])
 
     def prefill(self, batch: Batch) -> torch.Tensor:
-        return self._forward(batch, batch.logit_rows)
+        return self._forward(batch)
 
     def verify(self, batch: Batch) -> torch.Tensor:
-        return self._forward(batch, batch.logit_rows)
+        return self._forward(batch)
 
     def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
         with torch.inference_mode():
@@ -137,12 +137,3 @@ class TorchSession(EngineSession):
                 layer.state[s] = layer.step_state[s, p]
                 layer.conv[s] = layer.step_conv[s, p]
 
-
-def open_torch_session(rank_dir, plan: CachePlan, *, device: torch.device | str, dtype: torch.dtype,
-                       kv_dtype: torch.dtype, kv_scale: float, max_q: int = 0) -> TorchSession:
-    """Load the weights of an engine dir's rank0/ and allocate the caches of `plan`."""
-    from k3trt.model.loader import load_model   # the one strict loader; imports the plugin ops too
-
-    cfg, model = load_model(rank_dir, dtype=dtype, device=device)
-    return TorchSession(model, cfg, plan, device=device, dtype=dtype, kv_dtype=kv_dtype, kv_scale=kv_scale,
-                        max_q=max_q)

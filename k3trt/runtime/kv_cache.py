@@ -152,7 +152,7 @@ def plan_cache(cfg: ModelConfig, *, budget_bytes: int, block_size: int, max_live
     need_one = -(-max_model_len // block_size)
     if num_blocks is None:
         left = budget_bytes - (max_live + num_checkpoints) * per_slot
-        num_blocks = min(left // max(per_block, 1), max_live * need_one + num_checkpoints * 4)
+        num_blocks = max(0, min(left // max(per_block, 1), max_live * need_one + num_checkpoints * 4))
     if num_blocks < need_one:
         raise ValueError(
             f"the cache holds {num_blocks} blocks of {block_size} tokens but one request of max_model_len "

@@ -28,7 +28,7 @@ class RequestError(ValueError):
 
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+        self.field, self.message = field_name, message
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """One request's record: its tokens, where its cache lives, its sampler state, its text, its stats.
 
 Everything a request owns (cache blocks, KDA slot, RNG, detokenizer, drafts) hangs off this record
-and is released by ``LLM._finish`` in one place, however the request ends. Token accounting:
+and is released by ``LLM._finish`` in one place, however the request ends. ``new_request`` checks
+a submission (errors name the field); ``append_token`` commits one token and says whether it ends
+the request (EOS, stop ids, stop strings, max_tokens, max_model_len). Token accounting:
 ``token_ids`` = prompt + generated; the first ``num_computed`` of them are in the caches. A request
 that is decoding has exactly one token not yet computed (the last sampled one); speculative drafts
 (``drafts``) ride on top of it in the next verify step.
@@ -12,11 +14,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from k3trt.runtime.params import SamplingParams
+from k3trt.runtime.params import RequestError, SamplingParams
 
 
 class Status(enum.Enum):
@@ -184,3 +186,30 @@ class Request:
             stop_reason=self.stop_reason, error=self.error, delta_text=delta_text, delta_token_ids=delta_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             stats=self.stats.to_dict(self.num_output))
+
+
+def new_request(prompt: str | Sequence[int], params: SamplingParams | Mapping[str, Any] | None, *, index: int,
+                request_id: str, tokenizer: Any, vocab_size: int, max_model_len: int) -> Request:
+    """A checked request: a RequestError names the field and the request's index in its batch.
+    Text prompts are encoded with special-token strings recognised (as Hugging Face does)."""
+    try:
+        params = SamplingParams.from_dict(params) if isinstance(params, Mapping) else params or SamplingParams()
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise RequestError("prompt", "text prompts need the engine's tokenizer (the engine dir has none); "
+                                             "pass token ids")
+            ids = tokenizer.encode(prompt, allow_special=True)
+        else:
+            ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+                raise RequestError("prompt", f"token ids must be integers in 0..{vocab_size - 1}")
+        if not ids:
+            raise RequestError("prompt", "is empty")
+        if len(ids) >= max_model_len:
+            raise RequestError("prompt", f"has {len(ids)} tokens; this engine allows at most {max_model_len - 1} "
+                                         f"(max_model_len {max_model_len} counts the output too)")
+        if params.stop and tokenizer is None:
+            raise RequestError("stop", "stop strings need the engine's tokenizer (the engine dir has none)")
+    except RequestError as e:
+        raise RequestError(e.field, f"{e.message} (request {index})") from None
+    return Request(request_id, index, ids, params)

@@ -4,10 +4,11 @@ Policy (FCFS throughout; older requests never wait for newer ones):
   1. decodes: every running request whose prompt is done brings 1 + len(drafts) verify rows. If its
      blocks cannot grow, the newest running request is preempted (caches dropped, recomputed
      later), down to the request itself.
-  2. prefill chunks for running requests that are still in their prompt, then admission of waiting
+  2. prefill chunks for running requests that are still in their prompt (a chunk that gets no
+     block at all preempts newer requests not yet in the step), then admission of waiting
      requests (a KDA slot, prefix-cache hit, blocks for the first chunk), under the step's token
      budget (``max_num_tokens``, decode rows count first) and the largest prefill capacity. The
-     head of the queue blocks the ones behind it.
+     head of the queue blocks the ones behind it; admission never preempts.
 Chunk ends fall on block boundaries when the prompt goes on (and, for the hybrid model with prefix
 caching, the last full block boundary gets its own chunk end) so that KDA state checkpoints exist
 where prefix hits can use them.
@@ -25,18 +26,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from k3trt.builder.capacities import pick, validate
 from k3trt.runtime.kv_cache import CacheManager
 from k3trt.runtime.request import Request, Status
 
 log = logging.getLogger(__name__)
-
-
-def pick_capacity(capacities: tuple[int, ...], n: int) -> int:
-    """The smallest capacity >= n (capacities sorted ascending)."""
-    i = bisect.bisect_left(capacities, n)
-    if i == len(capacities):
-        raise ValueError(f"{n} exceeds the largest capacity {capacities[-1]}; the scheduler must split or queue")
-    return capacities[i]
 
 
 @dataclass(frozen=True)
@@ -50,10 +44,8 @@ class SchedulerConfig:
     spec_tokens: int = 0                   # most drafts per request (issue 5); 0: plain decode
 
     def __post_init__(self) -> None:
-        for name in ("verify_capacities", "prefill_capacities"):
-            caps = getattr(self, name)
-            if not caps or list(caps) != sorted(set(caps)) or caps[0] < 1:
-                raise ValueError(f"{name} must be distinct positive integers in ascending order, got {caps}")
+        validate(self.verify_capacities, "verify")
+        validate(self.prefill_capacities, "prefill")
         if self.max_num_tokens < self.max_batch * (1 + self.spec_tokens):
             raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must cover the verify rows of every live "
                              f"request ({self.max_batch} x {1 + self.spec_tokens})")
@@ -92,7 +84,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager):
         self.config, self.cache = config, cache
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []       # admission order: oldest first
+        self.running: list[Request] = []       # arrival order: oldest first
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -125,11 +117,18 @@ class Scheduler:
                 plan.decodes.append(req)
                 budget -= rows
         prefill_budget = min(budget, cfg.prefill_capacities[-1])
-        for req in self.running:
+        for req in list(self.running):
             if prefill_budget <= 0:
                 break
-            if not req.decoding and req.status is Status.RUNNING:
-                prefill_budget -= self._chunk(req, prefill_budget, plan)
+            if req.decoding or req.status is not Status.RUNNING:
+                continue
+            took = self._chunk(req, prefill_budget, plan)
+            # no block for even part of the chunk: newer requests not in this step make room
+            # (otherwise prefills that each hold part of the pool could wait on each other forever)
+            while not took and (victim := self._unscheduled_newer(req, plan)) is not None:
+                self.preempt(victim, plan)
+                took = self._chunk(req, prefill_budget, plan)
+            prefill_budget -= took
         while self.waiting and prefill_budget > 0 and self.cache.free_slots:
             req = self.waiting[0]
             self.cache.admit(req)
@@ -139,12 +138,13 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            self.running.append(req)
+            # by arrival, so that a resumed (preempted) request keeps its seniority
+            bisect.insort(self.running, req, key=lambda r: r.stats.arrival)
             prefill_budget -= took
         if plan.decodes:
-            plan.verify_capacity = pick_capacity(cfg.verify_capacities, len(plan.decodes))
+            plan.verify_capacity = pick(cfg.verify_capacities, len(plan.decodes), "verify")
         if plan.prefills:
-            plan.prefill_capacity = pick_capacity(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills))
+            plan.prefill_capacity = pick(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills), "prefill")
         return plan
 
     def _chunk(self, req: Request, budget: int, plan: StepPlan) -> int:
@@ -165,6 +165,15 @@ class Scheduler:
         if req.stats.first_scheduled is None:
             req.stats.first_scheduled = time.perf_counter()
         return end - start
+
+    def _unscheduled_newer(self, req: Request, plan: StepPlan) -> Request | None:
+        busy = {id(r) for r in plan.decodes} | {id(c.req) for c in plan.prefills}
+        for r in reversed(self.running):
+            if r is req:
+                return None
+            if id(r) not in busy:
+                return r
+        return None
 
     def preempt(self, req: Request, plan: StepPlan) -> None:
         """Drop the request's caches and queue it first: it recomputes prompt + output on resume."""

@@ -1,0 +1,420 @@
+"""Export the model's per-capacity step graphs to ONNX, the k3trt plugin ops as single nodes.
+
+Two graphs per capacity, both static-shaped in their step dimensions:
+
+    verify_b{B}    B requests x Q = K+1 rows each (decode is verify with Q rows too): logits of
+                   every row; KDA states after every row are saved (speculative rollback).
+    prefill_t{T}   T new tokens of ONE sequence: logits of the last token. No padding: a chunk of
+                   n tokens runs as the exact sum of power-of-two capacities
+                   (``Capacities.split_prefill``), because KDA's recurrence cannot skip padded
+                   tokens (they would advance the state and the conv window).
+
+Graph inputs (names are the engine bindings; ``io_specs`` lists them with shapes and dtypes):
+    input_ids int64 [N], slot_mapping int64 [N] (negative: do not write), block_table int32
+    [S, max_blocks], seq_lens int32 [S] (cached length after this step's rows, as mla_verify
+    wants), kda_slots int64 [S], positions int64 [N] (only for RoPE MLA layers; K3's are NoPE),
+    then the caches: mla_cache_{l} [num_blocks, block_size, D]; kda_state_{l} [num_slots, H, dk,
+    dv] fp32, kda_conv_{l} [num_slots, C, K-1]; verify also kda_step_state_{l} [num_slots, Q, H,
+    dk, dv] and kda_step_conv_{l} [num_slots, Q, C, K-1]. num_blocks and num_slots are dynamic.
+Graph outputs: logits fp32, then every cache again as ``<name>_out``: the graph is functional
+(ONNX has no in-place update). An engine binds ``<name>_out`` to the same memory as ``<name>``
+only where the producing node supports it (a plugin declaring the alias, as MlaCacheWrite
+should); a native ScatterND output is a copy, which is what the KDA state updates are for now.
+
+Contract the caller keeps (the model's ctx_len == 0 rule lives outside the graph): a sequence
+that starts fresh must have its KDA state and conv window zeroed before its first chunk; the
+graph always continues from the slot's contents. Padded verify requests point kda_slots at a
+scratch slot, slot_mapping at -1 and seq_lens at Q; a live request with fewer than Q rows is
+padded at its end (slot -1, seq_lens = context + Q) and its KDA state is then reset to the one
+saved after its last live row (runtime/trt_session.py does all of this).
+
+``native=True`` exports the same graph with every k3trt op lowered to standard ONNX ops
+(onnx_ops.native_lowerings) for a backend that cannot load the plugins (TensorRT-RTX).
+
+Why the torch.onnx exporter (dynamo) and not a direct graph writer: the graph must be the model's
+own computation (AttnRes, router, norms, projections), and a second writer of it would be a
+second model to keep in step. What ENVIRONMENT.md found to work is used: an
+``onnx.defs.OpSchema`` per k3trt op and plain tracing translation functions (onnx_ops.py).
+Three thin export-time substitutions keep the model unforked and are scoped to the export:
+``mla_cache_write`` (mutating) -> the functional ``k3trt::mla_cache_update`` then a copy;
+``Experts.forward`` (Python loop over the experts with tokens: data-dependent) ->
+``k3trt::moe_experts``; the absorbed MLA path for every query width, so that prefill reads the
+cache through ``mla_verify`` (the naive path slices by the Python context length).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
+from k3trt.config import ModelConfig
+from k3trt.model import mla as mla_module
+from k3trt.model.context import KDALayerCache, ModelCache, StepContext
+from k3trt.model.layers import ACTIVATIONS
+from k3trt.model.moe import Experts
+from k3trt.plugins.cache_write import mla_cache_write_reference
+
+log = logging.getLogger(__name__)
+
+DYNAMIC_DIMS = ("num_blocks", "num_slots")
+
+
+# ------------------------------------------------------------------------------ wrapper ops
+@torch.library.custom_op("k3trt::mla_cache_update", mutates_args=())
+def mla_cache_update(kv_c: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: Tensor, kv_scale: float) -> Tensor:
+    """Functional ``mla_cache_write``: the cache after the write (a new tensor)."""
+    out = cache.clone()
+    mla_cache_write_reference(kv_c, k_pe, out, slot_mapping, kv_scale)
+    return out
+
+
+@mla_cache_update.register_fake
+def _(kv_c, k_pe, cache, slot_mapping, kv_scale):
+    return torch.empty_like(cache)
+
+
+@torch.library.custom_op("k3trt::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                activation: str, beta: float, linear_beta: float) -> Tensor:
+    """The routed experts of moe.Experts as one op; its reference is Experts.forward itself
+    (beta / linear_beta 0 mean unset)."""
+    fn = ACTIVATIONS[activation]
+    experts = _ExpertWeights(w_gate, w_up, w_down, lambda g, u: fn(g, u, beta or None, linear_beta or None))
+    return _EXPERTS_FORWARD(experts, x, ids, weights)
+
+
+@moe_experts.register_fake
+def _(x, ids, weights, w_gate, w_up, w_down, activation, beta, linear_beta):
+    return torch.empty_like(x)
+
+
+@dataclass
+class _ExpertWeights:
+    w_gate: Tensor
+    w_up: Tensor
+    w_down: Tensor
+    act: object
+
+
+_EXPERTS_FORWARD = Experts.forward
+
+
+# ------------------------------------------------------------------------------ graph specs
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int | str, ...]     # str: a dynamic dimension (DYNAMIC_DIMS)
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    kind: str                        # "verify" | "prefill"
+    capacity: int                    # verify: requests B; prefill: tokens T
+    q_per_req: int                   # verify: K+1; prefill: T
+    block_size: int
+    max_blocks: int                  # block-table width: ceil((max_seq_len + K) / block_size)
+    dtype: torch.dtype               # weights and activations
+    kv_dtype: torch.dtype
+    kv_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("verify", "prefill"):
+            raise ValueError(f"graph kind {self.kind!r}: choose verify or prefill")
+        if self.kind == "prefill" and self.q_per_req != self.capacity:
+            raise ValueError(f"a prefill graph runs one sequence: q_per_req must equal the capacity {self.capacity}")
+
+    @classmethod
+    def verify(cls, batch: int, spec_tokens: int, **kw) -> "GraphSpec":
+        return cls("verify", batch, spec_tokens + 1, **kw)
+
+    @classmethod
+    def prefill(cls, tokens: int, **kw) -> "GraphSpec":
+        return cls("prefill", tokens, tokens, **kw)
+
+    @property
+    def name(self) -> str:
+        return f"verify_b{self.capacity}" if self.kind == "verify" else f"prefill_t{self.capacity}"
+
+    @property
+    def num_seqs(self) -> int:
+        return self.capacity if self.kind == "verify" else 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.q_per_req
+
+    @property
+    def saves_kda_states(self) -> bool:
+        return self.kind == "verify"
+
+    @property
+    def logit_rows(self) -> int:
+        return self.num_tokens if self.kind == "verify" else 1
+
+
+def uses_rope(cfg: ModelConfig) -> bool:
+    return not cfg.mla_use_nope and bool(cfg.mla_layers)
+
+
+def cache_specs(cfg: ModelConfig, spec: GraphSpec) -> list[TensorSpec]:
+    la = cfg.linear_attn_config
+    H, D, conv = la.num_heads, la.head_dim, (3 * la.num_heads * la.head_dim, la.short_conv_kernel_size - 1)
+    out = []
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_kda(layer):
+            out.append(TensorSpec(f"mla_cache_{layer}", ("num_blocks", spec.block_size, cfg.mla_cache_dim),
+                                  spec.kv_dtype))
+            continue
+        out += [TensorSpec(f"kda_state_{layer}", ("num_slots", H, D, D), torch.float32),
+                TensorSpec(f"kda_conv_{layer}", ("num_slots", *conv), spec.dtype)]
+        if spec.saves_kda_states:
+            out += [TensorSpec(f"kda_step_state_{layer}", ("num_slots", spec.q_per_req, H, D, D), torch.float32),
+                    TensorSpec(f"kda_step_conv_{layer}", ("num_slots", spec.q_per_req, *conv), spec.dtype)]
+    return out
+
+
+def io_specs(cfg: ModelConfig, spec: GraphSpec) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the graph, in binding order."""
+    N, S = spec.num_tokens, spec.num_seqs
+    ins = [TensorSpec("input_ids", (N,), torch.int64), TensorSpec("slot_mapping", (N,), torch.int64),
+           TensorSpec("block_table", (S, spec.max_blocks), torch.int32), TensorSpec("seq_lens", (S,), torch.int32),
+           TensorSpec("kda_slots", (S,), torch.int64)]
+    if uses_rope(cfg):
+        ins.append(TensorSpec("positions", (N,), torch.int64))
+    caches = cache_specs(cfg, spec)
+    outs = [TensorSpec("logits", (spec.logit_rows, cfg.vocab_size), torch.float32)]
+    outs += [dataclasses.replace(c, name=f"{c.name}_out") for c in caches]
+    return ins + caches, outs
+
+
+def example_inputs(cfg: ModelConfig, spec: GraphSpec, *, num_blocks: int, num_slots: int,
+                   generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """Valid inputs: sequence i owns blocks i·max_blocks.. and a random KDA slot, has 1 to
+    max_blocks·block_size - Q tokens cached (never 0: the graph never sees a fresh sequence), and
+    the caches hold random values in their dtypes."""
+    g = generator or torch.Generator().manual_seed(0)
+    S, Q, bs, mb = spec.num_seqs, spec.q_per_req, spec.block_size, spec.max_blocks
+    if num_blocks < S * mb or num_slots < S:
+        raise ValueError(f"example inputs for {spec.name} need >= {S * mb} blocks and >= {S} slots")
+    ctx = torch.randint(1, mb * bs - Q + 1, (S,), generator=g)
+    table = torch.arange(S * mb, dtype=torch.int32).view(S, mb)
+    pos = torch.cat([torch.arange(c, c + Q) for c in ctx.tolist()])
+    seq = torch.arange(N := spec.num_tokens) // Q
+    values = {"input_ids": torch.randint(0, cfg.vocab_size, (N,), generator=g),
+              "slot_mapping": table[seq, pos // bs].long() * bs + pos % bs,
+              "block_table": table, "seq_lens": (ctx + Q).to(torch.int32),
+              "kda_slots": torch.randperm(num_slots, generator=g)[:S], "positions": pos}
+    ins, _ = io_specs(cfg, spec)
+    for t in ins:
+        if t.name not in values:
+            shape = [{"num_blocks": num_blocks, "num_slots": num_slots}.get(d, d) for d in t.shape]
+            values[t.name] = (torch.randn(shape, generator=g) * 0.5).to(t.dtype)
+    return {t.name: values[t.name] for t in ins}
+
+
+# ------------------------------------------------------------------------------ the export wrapper
+@dataclass(frozen=True)
+class _ExportContext(StepContext):
+    """A StepContext whose lengths-derived tensors are graph inputs, not constants of the trace."""
+    seq_lens_t: Tensor | None = None
+    positions_t: Tensor | None = None
+
+    def seq_lens(self) -> Tensor:
+        return self.seq_lens_t
+
+    def positions(self, device: torch.device | str = "cpu") -> Tensor:
+        return self.positions_t if self.positions_t is not None else torch.zeros(self.num_tokens, dtype=torch.long)
+
+
+def model_cache(cfg: ModelConfig, spec: GraphSpec, caches: dict[str, Tensor]) -> ModelCache:
+    """A ModelCache over tensors named as ``cache_specs`` names them."""
+    cache = ModelCache(block_size=spec.block_size, kv_scale=spec.kv_scale)
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_kda(layer):
+            cache.kda[layer] = KDALayerCache(caches[f"kda_state_{layer}"], caches[f"kda_conv_{layer}"],
+                                             caches.get(f"kda_step_state_{layer}"),
+                                             caches.get(f"kda_step_conv_{layer}"))
+        else:
+            cache.mla[layer] = caches[f"mla_cache_{layer}"]
+    return cache
+
+
+class StepGraph(nn.Module):
+    """The model over one capacity's static step, inputs and outputs as ``io_specs`` lists them."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, spec: GraphSpec):
+        super().__init__()
+        self.model, self.cfg, self.spec = model, cfg, spec
+        self.input_names = [t.name for t in io_specs(cfg, spec)[0]]
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        spec, cfg = self.spec, self.cfg
+        x = dict(zip(self.input_names, inputs))
+        # ctx_lens only feeds KDA's "fresh sequence" rule (the caller's job, see the module doc)
+        # once seq_lens and positions come from inputs: 1 keeps the slot contents
+        ctx = _ExportContext(q_lens=(spec.q_per_req,) * spec.num_seqs, ctx_lens=(1,) * spec.num_seqs,
+                             slot_mapping=x["slot_mapping"], block_table=x["block_table"],
+                             kda_slots=x["kda_slots"], save_kda_states=spec.saves_kda_states,
+                             seq_lens_t=x["seq_lens"], positions_t=x.get("positions"))
+        # clones: the model updates these in place; returning them makes the graph functional
+        caches = {t.name: x[t.name].clone() for t in cache_specs(cfg, spec)}
+        cache = model_cache(cfg, spec, caches)
+        hidden = self.model(x["input_ids"], ctx, cache)
+        logits = self.model.logits(hidden if spec.kind == "verify" else hidden[-1:])
+        return (logits, *caches.values())
+
+
+def _cache_write_shim(kv_c, k_pe, cache, slot_mapping, kv_scale=1.0):
+    cache.copy_(torch.ops.k3trt.mla_cache_update(kv_c, k_pe, cache, slot_mapping, kv_scale))
+
+
+def _experts_via_op(cfg: ModelConfig):
+    def forward(self: Experts, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        return torch.ops.k3trt.moe_experts(x, ids, weights, self.w_gate, self.w_up, self.w_down, cfg.hidden_act,
+                                           float(cfg.activation_situ_beta or 0.0),
+                                           float(cfg.activation_situ_linear_beta or 0.0))
+    return forward
+
+
+@contextlib.contextmanager
+def export_mode(cfg: ModelConfig, max_q: int, *, native: bool = False):
+    """The substitutions of the module doc, undone on exit; `native` also swaps every k3trt op for
+    its plain-torch lowering (onnx_ops.native_lowerings), so the graph has standard ONNX ops only.
+    Not thread-safe (module attributes are patched); the builder exports one graph at a time."""
+    from k3trt.builder.onnx_ops import native_lowerings
+
+    ns = torch.ops.k3trt
+    ops = native_lowerings() if native else {}
+    saved_ops = {name: getattr(ns, name) for name in ["mla_cache_write", *ops]}
+    saved = (Experts.forward, mla_module.ABSORBED_MAX_Q)
+    ns.mla_cache_write = _cache_write_shim
+    for name, fn in ops.items():
+        setattr(ns, name, fn)
+    Experts.forward = _experts_via_op(cfg)
+    mla_module.ABSORBED_MAX_Q = max(max_q, saved[1])
+    try:
+        yield
+    finally:
+        for name, op in saved_ops.items():
+            setattr(ns, name, op)
+        Experts.forward, mla_module.ABSORBED_MAX_Q = saved
+
+
+# ------------------------------------------------------------------------------ export
+def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str | Path, *,
+                 native: bool = False, example_blocks: int | None = None,
+                 example_slots: int | None = None) -> Path:
+    """Export one capacity's graph to `path` (weights in ``<path>.data``); onnx.checker runs on it.
+    `native`: the k3trt ops lowered to standard ONNX (for TensorRT-RTX), not plugin nodes."""
+    import onnx
+
+    from k3trt.builder.onnx_ops import translation_table
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nb = example_blocks or spec.num_seqs * spec.max_blocks + 1
+    ns = example_slots or spec.num_seqs + 1
+    inputs = example_inputs(cfg, spec, num_blocks=nb, num_slots=ns)
+    ins, outs = io_specs(cfg, spec)
+    dims = {d: torch.export.Dim(d, min=2) for d in DYNAMIC_DIMS}
+    dynamic = tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} or None for t in ins)
+    wrapper = StepGraph(model, cfg, spec).eval()
+    t0 = time.perf_counter()
+    log.info("export %s: tracing (%d inputs, %d outputs)", spec.name, len(ins), len(outs))
+    # torch.export under the substitutions; the ONNX translation after them (its decomposition
+    # pass walks the k3trt namespace and must see real ops there)
+    with export_mode(cfg, spec.q_per_req, native=native), torch.no_grad():
+        exported = torch.export.export(wrapper, tuple(inputs.values()), dynamic_shapes=(dynamic,), strict=False)
+    log.info("export %s: traced in %.1fs; translating to ONNX", spec.name, time.perf_counter() - t0)
+    # onnx_ir warns once per k3trt node output that it has no value_info type (the schemas carry no
+    # inference function); harmless, and hundreds of lines on a real model
+    serde_log = logging.getLogger("onnx_ir.serde")
+    level = serde_log.level
+    serde_log.setLevel(logging.ERROR)
+    try:
+        program = torch.onnx.export(exported, dynamo=True, external_data=True,
+                                    input_names=[t.name for t in ins], output_names=[t.name for t in outs],
+                                    custom_translation_table=translation_table(), optimize=True, verbose=False)
+        program.save(str(path), external_data=True)
+    finally:
+        serde_log.setLevel(level)
+    _name_dynamic_dims(path, ins)
+    onnx.checker.check_model(str(path), full_check=False)
+    log.info("export %s: %s written and checked in %.1fs", spec.name, path.name, time.perf_counter() - t0)
+    return path
+
+
+def _name_dynamic_dims(path: Path, ins: list[TensorSpec]) -> None:
+    """The exporter names dynamic dims after its symbols (s15); give them the spec's names, which
+    the engine profiles and the session use."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    rename = {}
+    for value, t in zip(model.graph.input, ins):
+        for dim, want in zip(value.type.tensor_type.shape.dim, t.shape):
+            if isinstance(want, str) and dim.dim_param:
+                rename[dim.dim_param] = want
+    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in rename:
+                dim.dim_param = rename[dim.dim_param]
+    onnx.save(model, str(path))
+
+
+WeightTable = dict[tuple[str, str], tuple[int, int]]     # (name, sha256) -> (offset, length) in the file
+
+
+def share_weights(paths: list[Path], data_name: str = "weights.bin", table: WeightTable | None = None) -> WeightTable:
+    """Point every graph's external tensors at one file beside them (each tensor stored once, keyed
+    by name and content; pass the returned `table` back to share graphs exported later) and delete
+    the per-graph data files. Tensor by tensor: a K3-sized file is never held in memory."""
+    import hashlib
+
+    import onnx
+
+    paths = [Path(p) for p in paths]
+    data = paths[0].parent / data_name
+    if any(p.parent != data.parent for p in paths):
+        dirs = sorted({str(p.parent) for p in paths})
+        raise ValueError(f"share_weights: graphs must share one directory, got {dirs}")
+    table = {} if table is None else table
+    old_files: set[Path] = set()
+    with open(data, "ab") as out:
+        for p in paths:
+            model = onnx.load(str(p), load_external_data=False)
+            for t in model.graph.initializer:
+                if t.data_location != onnx.TensorProto.EXTERNAL:
+                    continue
+                info = {e.key: e.value for e in t.external_data}
+                src = p.parent / info["location"]
+                if src.name == data_name:
+                    continue
+                old_files.add(src)
+                with open(src, "rb") as f:
+                    f.seek(int(info.get("offset", 0)))
+                    blob = f.read(int(info["length"]))
+                key = (t.name, hashlib.sha256(blob).hexdigest())
+                if key not in table:
+                    out.write(b"\0" * (-out.tell() % 64))        # aligned for mmap-and-copy loaders
+                    table[key] = (out.tell(), len(blob))
+                    out.write(blob)
+                offset, length = table[key]
+                del t.external_data[:]
+                for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                    t.external_data.add(key=k, value=v)
+            onnx.save(model, str(p))
+    for f in old_files:
+        f.unlink(missing_ok=True)
+    log.info("weights: %d tensors, %.1f MiB in %s, shared by %d graphs", len(table), data.stat().st_size / 2**20,
+             data.name, len(paths))
+    return table

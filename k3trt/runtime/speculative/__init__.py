@@ -1,0 +1,55 @@
+"""Speculative decoding: drafters behind one interface (drafter.py) and acceptance as pure
+functions (acceptance.py). ``make_drafter`` maps the CLI's ``--speculative`` value to a drafter;
+the model-running drafters are imported lazily so that n-gram drafting needs nothing else.
+
+    none          no drafts
+    ngram         prompt lookup (ngram.py)
+    draft:DIR     a smaller K3-format checkpoint with its own caches (draft_model.py)
+    mtp           the target's MTP layer (mtp.py; the runtime hands over hidden states)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from k3trt.runtime.speculative.acceptance import (AcceptanceStats, Accepted, accept_greedy, accept_stochastic,
+                                                  pad_drafts, pad_q, truncate_at_stop)
+from k3trt.runtime.speculative.drafter import DraftInput, Drafter, NoDrafter, Proposal
+from k3trt.runtime.speculative.ngram import NgramConfig, NgramDrafter
+
+MAX_SPEC_TOKENS = 7
+
+__all__ = ["AcceptanceStats", "Accepted", "DraftInput", "Drafter", "NgramConfig", "NgramDrafter", "NoDrafter",
+           "Proposal", "accept_greedy", "accept_stochastic", "make_drafter", "pad_drafts", "pad_q",
+           "truncate_at_stop"]
+
+
+def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target: torch.nn.Module | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", block_size: int = 16,
+                 sample_drafts: bool = False) -> Drafter:
+    """The drafter for `spec` (module doc). `target` (a K3ForCausalLM) is needed by mtp and, for its
+    vocabulary check, by draft:DIR; k is the most drafts per request (1..7)."""
+    if not 1 <= k <= MAX_SPEC_TOKENS:
+        raise ValueError(f"speculative tokens must be in 1..{MAX_SPEC_TOKENS}, got {k}")
+    kw = dict(k_max=k, max_live=max_live, max_model_len=max_model_len, block_size=block_size,
+              sample_drafts=sample_drafts)
+    if spec == "none":
+        return NoDrafter()
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec.startswith("draft:"):
+        from k3trt.runtime.speculative.draft_model import DraftModelDrafter
+        path = Path(spec[len("draft:"):])
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--speculative {spec}: {path} is not a checkpoint directory (no config.json); "
+                             "`k3trt make-checkpoint` makes one")
+        return DraftModelDrafter.from_checkpoint(path, target_cfg=getattr(target, "cfg", None), dtype=dtype,
+                                                 device=device, **kw)
+    if spec == "mtp":
+        if target is None:
+            raise ValueError("--speculative mtp needs the target model (its MTP layers)")
+        from k3trt.runtime.speculative.mtp import MTPDrafter
+        return MTPDrafter(target, target.cfg, **kw)
+    raise ValueError(f"unknown --speculative {spec!r}; choose none, ngram, draft:DIR or mtp")

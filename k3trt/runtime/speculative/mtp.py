@@ -1,0 +1,145 @@
+"""MTP drafting: the target checkpoint's own next-token-prediction layer (DeepSeek-V3 style), run
+EAGLE-fashion: chained on its own hidden output for drafts past the first.
+
+MTP layer 0 at position i combines the target's hidden state h_i with the embedding of token
+x_{i+1}; its output g_i gives logits for x_{i+2} and is the "previous hidden" for position i+1
+when h_{i+1} is not known yet. Its MLA layer (RoPE) has a cache over positions; the drafter owns
+it (its own blocks; no KDA, so no state to roll back).
+
+Hand-over (``needs_hidden``): after every target forward the runtime calls
+``on_hidden(request_id, start, hidden)`` with the target's hidden states (``K3ForCausalLM.forward``
+output rows, before the final norm) for the positions whose next token is now committed:
+  prefill chunk   all its rows (start = the chunk's first position)
+  verify step     rows 0..n of the request (the last committed token and the n accepted drafts:
+                  start = len(history before the commit) - 1)
+Per request the drafter keeps ``valid`` (cache positions 0..valid-1 were computed from true target
+hiddens) and the handed-over hiddens of positions valid.. not yet run.
+
+propose (history x_0..x_{N-1}, k drafts):
+  step 0   positions valid..N-2: (h_i, x_{i+1}) -> g_{N-2}, d_1        (true entries)
+  step j   position N-2+j: (g_{N-3+j}, d_j) -> g_{N-2+j}, d_{j+1}     (speculative entries)
+Afterwards valid = N-2 and the hidden of position N-2 is kept, so the next step 0 re-runs it with
+the new positions and always has a row to run. Rollback is implicit: speculative entries lie past
+``valid`` and step 0 of the next propose overwrites them with true ones before anything reads them.
+Only MTP layer 0 is used; further layers (num_nextn_predict_layers > 1) are not (see the report).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from k3trt.config import ModelConfig
+from k3trt.model.context import ModelCache
+from k3trt.runtime import sampling
+from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, pick, stack_q, step_context
+from k3trt.runtime.speculative.drafter import DraftInput, Drafter, Proposal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    valid: int = 0                             # MTP cache positions computed from true hiddens
+    hidden: torch.Tensor | None = None         # target hiddens of positions valid.. [m, H]
+    generator: torch.Generator | None = None
+
+    @property
+    def known(self) -> int:
+        """Positions up to which target hiddens are available (valid + pending rows)."""
+        return self.valid + (0 if self.hidden is None else len(self.hidden))
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, k_max: int, max_live: int, max_model_len: int,
+                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False):
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers = 0): "
+                             "use --speculative ngram or draft:DIR")
+        p = next(model.parameters())
+        self.model, self.cfg, self.device, self.k_max = model, cfg, p.device, k_max
+        self.block_size, self.sample_drafts = block_size, sample_drafts
+        self.idx = cfg.num_hidden_layers          # MTP layer 0 (k3.py: layers[num_hidden_layers + j])
+        nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
+        self.cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=1, dtype=p.dtype,
+                                         device=self.device, layers=range(self.idx, self.idx + 1))
+        self.blocks = BlockList(nb)
+        self.seqs: dict[str, _Seq] = {}
+
+    # ------------------------------------------------------------------------ drafter API
+    def on_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        st = self.seqs.setdefault(request_id, _Seq())
+        if start > st.known:
+            raise ValueError(f"MTP drafter: hidden states for {request_id} start at position {start} but only "
+                             f"positions < {st.known} were handed over (every committed position is needed)")
+        h = hidden.detach().to(self.device)
+        if start < st.valid:          # recomputed positions (e.g. after preemption): redo from there
+            st.valid, st.hidden = start, h.clone()
+        else:                          # clone/cat: the runtime may reuse its output buffer
+            keep = st.hidden[:start - st.valid] if st.hidden is not None else h[:0]
+            st.hidden = torch.cat([keep, h])
+
+    def propose(self, inputs: Sequence[DraftInput], k: int) -> Proposal:
+        k = min(k, self.k_max)
+        out = Proposal.empty(len(inputs))
+        live: list[tuple[int, DraftInput, _Seq, int]] = []
+        for i, inp in enumerate(inputs):
+            want, N = inp.limit(k), len(inp.token_ids)
+            st = self.seqs.get(inp.request_id)
+            if not want or st is None or st.hidden is None or st.known < N - 1 or st.valid >= N - 1:
+                continue                       # no hand-over yet for every committed position
+            st.hidden = st.hidden[:N - 1 - st.valid]
+            if not self.blocks.grow(st.blocks, N - 2 + want, self.block_size):
+                continue
+            if st.generator is None and self.sample_drafts and inp.params is not None and not inp.params.greedy:
+                st.generator = sampling.make_generator(inp.seed, self.device)
+            live.append((i, inp, st, want))
+        if not live:
+            return out
+        qs: dict[int, list] = {i: [] for i, *_ in live}
+        with torch.inference_mode():
+            steps = [SeqStep(inp.token_ids[st.valid + 1:], st.valid, st.blocks, 0) for _, inp, st, _ in live]
+            prev = torch.cat([st.hidden for _, _, st, _ in live])
+            for _, inp, st, _ in live:
+                n = len(inp.token_ids)
+                st.valid, st.hidden = n - 2, st.hidden[-1:]
+            rows = live
+            for j in range(max(w for *_, w in live)):
+                if j:
+                    keep = [a for a, r in enumerate(rows) if r[3] > j]
+                    rows, prev = [rows[a] for a in keep], g[keep]
+                    steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 2 + j, st.blocks, 0)
+                             for i, inp, st, _ in rows]
+                g, logits = self._step(steps, prev)
+                toks, q = pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
+                               self.sample_drafts)
+                for (i, *_), t, qr in zip(rows, toks, q):
+                    out.tokens[i].append(t)
+                    qs[i].append(qr)
+        for i in qs:
+            out.probs[i] = stack_q(qs[i])
+        return out
+
+    def release(self, request_id: str) -> None:
+        st = self.seqs.pop(request_id, None)
+        if st is not None:
+            self.blocks.give(st.blocks)
+
+    # ------------------------------------------------------------------------ internals
+    def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP forward: (g at each sequence's last row [S, H], logits there [S, V] fp32). Mirrors
+        K3ForCausalLM.mtp(0, …) but takes the lm_head only at the last rows: step 0 may hold a whole
+        prompt, and logits for every row would cost T x V."""
+        ids, ctx = step_context(steps, self.block_size, self.device)
+        m = self.model
+        layer = m.model.layers[self.idx]
+        h = layer(m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
+        last = h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1]
+        return last, m.lm_head(layer.shared_head.norm(last)).float()

@@ -1,0 +1,40 @@
+"""Structured output: xgrammar grammars (JSON schema, JSON object, regex, EBNF, XTML tool calls),
+correct under speculative decoding and reasoning.
+
+Pieces: `GuidedSpec` (what to match; checked when made), `GrammarVocab` (one tokenizer + model
+vocab size, built once per engine), `GrammarCache` (compiles off the step loop), `GuidedState`
+(one request's matcher + reasoning gate), `apply_masks` (bitmask onto logits).
+
+How the runtime drives it:
+    vocab = GrammarVocab(tokenizer, vocab_size=model_vocab_size)      # once per engine
+    cache = GrammarCache()                                            # once per engine
+    bitmask = vocab.allocate_bitmask(max_rows, pin=True)              # once; rows reused per step
+  submission:  spec = GuidedSpec(...)  (GrammarError -> refuse the request, naming the field)
+               request.guide_future = cache.submit(spec, vocab)
+  schedule:    a guided request runs only once its future is done; then (once)
+               request.guided = future.result().new_state()  (GrammarError -> finish it "error")
+  draft:       K drafts as usual
+  mask:        n = request.guided.fill_masks(drafts, bitmask, row0); drafts = drafts[:n]
+               (rows row0 .. row0 + n now hold the masks of this request's n + 1 verify rows)
+  run:         logits for every row
+               apply_masks(logits, bitmask, indices=[rows of guided requests])   before sampling /
+               acceptance (the target distribution p is the masked one)
+  accept:      accepted drafts + the next token (sampled from a masked row, so it is admitted)
+  commit:      k = request.guided.commit(accepted); accepted = accepted[:k];
+               then eos / stop strings / max_tokens as usual (a grammar that has not finished by
+               max_tokens ends with finish_reason "length": nothing here blocks or loops)
+  end:         request.guided.release() wherever the request's resources are released
+With no drafts (K = 0) the same calls run with drafts = [] (one row). Preemption needs nothing
+(the committed tokens stay committed); `reset()` is for a request restarted from its prompt.
+On CUDA, apply_masks copies the bitmask with non_blocking=True: do not refill that CPU buffer
+before the step has synchronised (acceptance reads the tokens back, which does), or fill a second
+buffer while a step is in flight.
+"""
+
+from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache, compile_guide
+from k3trt.runtime.structured.spec import GrammarError, GuidedSpec
+from k3trt.runtime.structured.state import GuidedState
+from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, pack, unpack
+
+__all__ = ["CompiledGuide", "GrammarCache", "GrammarError", "GrammarVocab", "GuidedSpec",
+           "GuidedState", "apply_masks", "compile_guide", "pack", "unpack"]

@@ -1,0 +1,262 @@
+"""The HTTP routes: /v1/chat/completions, /v1/completions (SSE or whole), /v1/models, /health, /metrics.
+
+A request's life: validate (400 naming the field) → render / encode the prompt off the event loop →
+compile its grammar, if any (400 for a schema xgrammar refuses) → admit (429 past the bound) →
+submit one engine request per choice → read outputs until every choice is done. `Run.close()` runs
+exactly once however that ends (done, client gone, error): it aborts what is still running, which
+frees its cache blocks at once, and gives the admission back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from k3trt.serve import metrics
+from k3trt.serve.adapt import Plan, chat_plan, completion_plan
+from k3trt.serve.engine_loop import EngineLoop, Overloaded
+from k3trt.serve.guided import Grammars, attach
+from k3trt.serve.output import ChoiceStream, Update
+from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_json, validate
+from k3trt.serve.responses import Envelope, sse, usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    llm: Any
+    engine: EngineLoop
+    grammars: Grammars
+    model_name: str
+    api_key: str | None
+    json_max_whitespace: int | None
+    retry_after_s: int
+    started: int
+
+
+class Run:
+    """One HTTP request's engine requests (one per choice)."""
+
+    def __init__(self, st: ServerState, plan: Plan, params: list, rid: str):
+        self.engine, self.queue = st.engine, asyncio.Queue()
+        tok = st.llm.tokenizer
+        self.streams = {f"{rid}-{i}": ChoiceStream(i, tok, plan.stops, plan.thinking, plan.drop_tool_calls)
+                        for i in range(len(params))}
+        self.live, self.closed = set(self.streams), False
+        for i, (r, p) in enumerate(zip(self.streams, params)):
+            self.engine.submit(r, list(plan.prompt_of(i)), p, self.queue)
+
+    async def updates(self) -> AsyncIterator[tuple[ChoiceStream, Update]]:
+        while self.live:
+            out = await self.queue.get()
+            cs = self.streams.get(out.request_id)
+            if cs is None or cs.done:
+                continue
+            upd = cs.update(out)
+            if cs.done:
+                self.live.discard(out.request_id)
+                if not out.finished:         # a stop string the server found: the engine runs on
+                    self.engine.abort(out.request_id, "stop")
+            yield cs, upd
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for r in self.live:
+                self.engine.abort(r)
+            self.engine.release(len(self.streams))
+
+
+class _Stream(StreamingResponse):
+    """SSE whose Run is closed when the response ends, however it ends (Starlette cancels the body
+    iterator when the client disconnects; a generator never started would skip its own finally)."""
+
+    def __init__(self, body: AsyncIterator[bytes], run: Run):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
+def _state(request: Request) -> ServerState:
+    st: ServerState = request.app.state.k3
+    if st.api_key is not None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {st.api_key}".encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    return st
+
+
+async def _completions(request: Request, chat: bool) -> Response:
+    st = _state(request)
+    req = validate(ChatRequest if chat else CompletionRequest, parse_json(await request.body()))
+    if req.model != st.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
+                       param="model", code="model_not_found")
+    llm = st.llm
+    if chat:
+        plan = await asyncio.to_thread(chat_plan, req, llm.tokenizer, max_model_len=llm.max_model_len,
+                                       json_max_whitespace=st.json_max_whitespace)
+    else:
+        plan = await asyncio.to_thread(completion_plan, req, llm.tokenizer, vocab_size=llm.vocab_size,
+                                       max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
+    params = list(plan.params)
+    if plan.guided is not None:
+        guide = await st.grammars.compile(plan.guided, None)
+        params = [attach(p, guide) for p in params]          # one matcher per choice
+    if len(params) > st.engine.max_pending:     # would never fit: not worth a retry
+        raise APIError(400, f"{len(params)} choices exceed this server's limit of {st.engine.max_pending}",
+                       param="n")
+    try:
+        st.engine.admit(len(params))
+    except Overloaded as e:
+        raise APIError(429, f"The server is busy: {e}. Retry later.", type="rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(st.retry_after_s)}) from None
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    env = Envelope(rid, st.model_name, int(time.time()), chat, llm.tokenizer, plan.logprobs)
+    run = None
+    try:
+        run = Run(st, plan, params, rid)
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return _Stream(_stream(run, env, plan, include, llm.tokenizer), run)
+        return await _whole(run, env, plan, request, llm.tokenizer)
+    except BaseException:
+        if run is None:
+            st.engine.release(len(params))
+        raise
+    finally:
+        if run is not None and not req.stream:
+            run.close()
+
+
+async def _stream(run: Run, env: Envelope, plan: Plan, include_usage: bool, tok: Any) -> AsyncIterator[bytes]:
+    offsets = {}
+    for cs in run.streams.values():
+        if env.chat:
+            yield sse(env.role_chunk(cs.index))
+        elif plan.echo:
+            text = tok.decode(plan.prompt_of(cs.index))
+            offsets[cs.index] = len(text)
+            yield sse(env.head([{"index": cs.index, "text": text, "logprobs": None, "finish_reason": None}]))
+    async for cs, upd in run.updates():
+        if cs.finish_reason == "error":
+            yield sse(APIError(500, cs.error or "generation failed", type="server_error").body())
+            return
+        for chunk in env.chunks(cs, upd, offsets.get(cs.index, 0)):
+            yield sse(chunk)
+        offsets[cs.index] = offsets.get(cs.index, 0) + sum(len(d.text) for d in upd.deltas)
+    if include_usage:
+        yield sse(env.usage_chunk(usage(sum(map(len, plan.prompts)), list(run.streams.values()))))
+    yield sse("[DONE]")
+
+
+async def _whole(run: Run, env: Envelope, plan: Plan, request: Request, tok: Any) -> Response:
+    logprobs: dict[int, list] = {cs.index: [] for cs in run.streams.values()}
+
+    async def consume() -> None:
+        async for cs, upd in run.updates():
+            logprobs[cs.index] += upd.logprobs
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()           # the client left: close() aborts its engine requests
+    if not work.done() or work.cancelled():
+        log.info("%s: client disconnected before the answer was ready", env.id)
+        return Response(status_code=499)
+    work.result()
+    streams = list(run.streams.values())
+    for cs in streams:
+        if cs.finish_reason == "error":
+            raise APIError(500, cs.error or "generation failed", type="server_error")
+    echo = {cs.index: tok.decode(plan.prompt_of(cs.index)) for cs in streams} if plan.echo else None
+    return JSONResponse(env.whole(streams, logprobs, usage(sum(map(len, plan.prompts)), streams), echo))
+
+
+# ---- small routes ---------------------------------------------------------------------------------
+async def models(request: Request) -> Response:
+    st = _state(request)
+    card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "k3trt",
+            "max_model_len": st.llm.max_model_len}
+    if "model" in request.path_params:
+        if request.path_params["model"] != st.model_name:
+            raise APIError(404, f"The model `{request.path_params['model']}` does not exist",
+                           param="model", code="model_not_found")
+        return JSONResponse(card)
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    ok = request.app.state.k3.engine.alive
+    return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+
+async def prometheus(request: Request) -> Response:
+    st: ServerState = request.app.state.k3
+    return PlainTextResponse(metrics.render(await st.engine.stats(), st.engine), media_type=metrics.CONTENT_TYPE)
+
+
+def _api(handler):
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            if e.status >= 500:
+                log.error("%s %s: %s", request.method, request.url.path, e.message)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return JSONResponse(APIError(500, "Internal server error", type="server_error").body(), status_code=500)
+    return wrapped
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                 type=kind).body(), status_code=exc.status_code)
+
+
+def create_app(st: ServerState) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        st.engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(st.engine.stop)
+            st.grammars.close()
+
+    routes = [Route("/v1/chat/completions", _api(lambda r: _completions(r, chat=True)), methods=["POST"]),
+              Route("/v1/completions", _api(lambda r: _completions(r, chat=False)), methods=["POST"]),
+              Route("/v1/models", _api(models), methods=["GET"]),
+              Route("/v1/models/{model:path}", _api(models), methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", _api(prometheus), methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.k3 = st
+    return app

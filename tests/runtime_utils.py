@@ -1,0 +1,76 @@
+"""Helpers for the runtime tests: engine dirs from the tiny checkpoint, a cache of LLMs, the
+full-recompute greedy oracle, and the leak check every runtime test ends with."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from k3trt.model.context import ModelCache, StepContext
+
+BLOCK = 16
+
+
+def reference_greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by full recompute: a fresh cache and the whole sequence at every step."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            T = len(ids)
+            nb = -(-T // BLOCK)
+            cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=BLOCK, num_slots=1,
+                                        layers=range(cfg.num_hidden_layers))
+            ctx = StepContext((T,), (0,), torch.arange(T), torch.arange(nb, dtype=torch.int32)[None],
+                              torch.tensor([0]))
+            hidden = model(torch.tensor(ids), ctx, cache)
+            ids.append(int(model.logits(hidden[-1:]).argmax()))
+    return ids[len(prompt):]
+
+
+def assert_no_leak(llm) -> None:
+    """Every block and KDA slot is free again and no request is left."""
+    assert not llm.has_unfinished(), f"requests left: {list(llm._requests)}"
+    usage = llm.cache.usage()
+    assert usage["blocks_in_use"] == 0 and usage["slots_in_use"] == 0, usage
+    assert llm.cache.pool.num_free == llm.cache.pool.num_blocks, usage
+    assert not llm.scheduler.running and not llm.scheduler.waiting
+
+
+def prompts(seed: int, lengths: list[int], vocab: int = 120000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def build_tiny_engine(ckpt, out, **kw):
+    """The runtime tests' engine: fp32, verify capacities 1/2/4, 32 tokens per step, blocks of 16."""
+    from k3trt.builder.build import build_engine
+    args = dict(dtype="fp32", capacities=[1, 2, 4], max_num_tokens=32, spec_tokens=0, block_size=BLOCK)
+    return build_engine(ckpt, out, **{**args, **kw})
+
+
+class Oracle:
+    """reference_greedy, memoised: several tests ask for the same prompts."""
+
+    def __init__(self, model, cfg):
+        self.model, self.cfg, self.memo = model, cfg, {}
+
+    def __call__(self, prompt: list[int], n: int) -> list[int]:
+        key = tuple(prompt)
+        have = self.memo.get(key, [])
+        if len(have) < n:
+            have = have + reference_greedy(self.model, self.cfg, list(prompt) + have, n - len(have))
+            self.memo[key] = have
+        return have[:n]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny-model steps are a few ms: intra-op threads only add sync cost, and on a busy 2-core CI
+    machine they turn seconds into minutes. Restores the caller's setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
