@@ -65,15 +65,16 @@ def _int_list(ctx, param, value: str | None) -> list[int] | None:
               show_default=True, help="MLA cache dtype (auto: the model dtype)")
 @click.option("--block-size", type=click.IntRange(min=16), default=64, show_default=True)
 @click.option("--target", default=None, help="GPU target for engine backends, e.g. sm90, sm120")
+@click.option("--check-onnx", is_flag=True, help="run every exported graph in onnxruntime against the torch model (fp32)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target) -> None:
+              block_size, target, check_onnx) -> None:
     """Compile CHECKPOINT into an engine directory."""
     from k3trt.builder.build import build_engine
     try:
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
-                            dtype=dtype, block_size=block_size, target=target)
-    except (ValueError, FileExistsError, NotImplementedError, OSError) as e:
+                            dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx)
+    except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))
 
@@ -99,6 +100,24 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
+
+
+@main.command("serve")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+@click.option("--model-name", default=None, help="served model id (default: the engine dir's name)")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
+              help="choices queued beyond the live batch before 429")
+@click.option("--max-batch", type=click.IntRange(min=1), default=None)
+def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch) -> None:
+    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
+    from k3trt.serve import serve_main
+    opts = {"max_batch": max_batch} if max_batch else {}
+    serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
+               max_queue=max_queue, engine_options=opts)
 
 
 if __name__ == "__main__":

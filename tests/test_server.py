@@ -23,7 +23,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
-from tests.runtime_utils import build_tiny_engine, one_thread  # noqa: E402
+from runtime_utils import build_tiny_engine, one_thread  # noqa: E402
 
 CLOSE_ID = "129282"                   # <|close|> in the K3 tokenizer
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}

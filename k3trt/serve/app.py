@@ -34,6 +34,8 @@ from k3trt.serve.responses import Envelope, sse, usage
 
 log = logging.getLogger(__name__)
 
+MAX_BODY_BYTES = 64 << 20
+
 
 @dataclass
 class ServerState:
@@ -106,6 +108,8 @@ def _state(request: Request) -> ServerState:
 
 async def _completions(request: Request, chat: bool) -> Response:
     st = _state(request)
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise APIError(413, f"The request body exceeds {MAX_BODY_BYTES} bytes")
     req = validate(ChatRequest if chat else CompletionRequest, parse_json(await request.body()))
     if req.model != st.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
@@ -117,15 +121,11 @@ async def _completions(request: Request, chat: bool) -> Response:
     else:
         plan = await asyncio.to_thread(completion_plan, req, llm.tokenizer, vocab_size=llm.vocab_size,
                                        max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
-    params = list(plan.params)
-    if plan.guided is not None:
-        guide = await st.grammars.compile(plan.guided, None)
-        params = [attach(p, guide) for p in params]          # one matcher per choice
-    if len(params) > st.engine.max_pending:     # would never fit: not worth a retry
-        raise APIError(400, f"{len(params)} choices exceed this server's limit of {st.engine.max_pending}",
-                       param="n")
+    n = len(plan.params)
+    if n > st.engine.max_pending:     # would never fit: not worth a retry
+        raise APIError(400, f"{n} choices exceed this server's limit of {st.engine.max_pending}", param="n")
     try:
-        st.engine.admit(len(params))
+        st.engine.admit(n)
     except Overloaded as e:
         raise APIError(429, f"The server is busy: {e}. Retry later.", type="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(st.retry_after_s)}) from None
@@ -133,6 +133,10 @@ async def _completions(request: Request, chat: bool) -> Response:
     env = Envelope(rid, st.model_name, int(time.time()), chat, llm.tokenizer, plan.logprobs)
     run = None
     try:
+        params = list(plan.params)
+        if plan.guided is not None:
+            guide = await st.grammars.compile(plan.guided, None)
+            params = [attach(p, guide) for p in params]          # one matcher per choice
         run = Run(st, plan, params, rid)
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -140,7 +144,7 @@ async def _completions(request: Request, chat: bool) -> Response:
         return await _whole(run, env, plan, request, llm.tokenizer)
     except BaseException:
         if run is None:
-            st.engine.release(len(params))
+            st.engine.release(n)
         raise
     finally:
         if run is not None and not req.stream:
