@@ -105,8 +105,10 @@ def test_build_refusals(tiny_ckpt, engine, tmp_path):
         build_engine(tiny_ckpt, tmp_path / "b", capacities=[1, 2, 4], max_num_tokens=8, spec_tokens=3)
     with pytest.raises(ValueError, match="capacities"):
         build_engine(tiny_ckpt, tmp_path / "c", capacities=[4, 2])
-    with pytest.raises(NotImplementedError, match="--backend torch"):
-        build_engine(tiny_ckpt, tmp_path / "d", backend="tensorrt")
+    with pytest.raises(RuntimeError, match="backend 'tensorrt' is not installed; install it with"):
+        build_engine(tiny_ckpt, tmp_path / "d", backend="tensorrt")      # never installable here
+    with pytest.raises(ValueError, match="unknown backend 'onnx'"):
+        build_engine(tiny_ckpt, tmp_path / "e", backend="onnx")
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".*"))
 
 
