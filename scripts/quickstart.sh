@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 out=${1:-quickstart-out}
+k3trt() { "${PYTHON:-python3}" -m k3trt "$@"; }     # works whether or not the entry point is on PATH
 if [ ! -f "$out/ckpt/config.json" ]; then
   k3trt make-checkpoint --preset tiny --output "$out/ckpt" --seed 0
 fi
