@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -87,16 +88,24 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp")
+@click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="constrain the output to this JSON schema (a file)")
+@click.option("--regex", default=None, help="constrain the output to this regular expression")
+@click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="constrain the output to this EBNF grammar (a file; root rule `root`)")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
-def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, device, as_json) -> None:
+def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
+            regex, grammar, device, as_json) -> None:
     """Generate from ENGINE_DIR."""
     import json
 
     from k3trt.runtime.llm import run
     try:
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                  device=device, speculative=speculative)
+                  device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
+                  regex=regex, grammar=grammar)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])

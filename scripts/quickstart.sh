@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a tiny random-weight K3 checkpoint -> a torch engine ->
-# generation with n-gram speculative decoding, constrained to a JSON schema. CPU is enough.
+# generation with MTP speculative decoding (K = 3), constrained to a JSON schema. CPU is enough.
 # Usage: bash scripts/quickstart.sh [WORKDIR]   (default: ./quickstart-out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +13,5 @@ fi
 if [ ! -f "$out/engine/config.json" ]; then
   k3trt build "$out/ckpt" --output "$out/engine" --dtype fp32 --spec-tokens 3
 fi
-k3trt --log-level WARNING run "$out/engine" --chat --prompt "Describe a person as JSON." \
-  --speculative ngram --json-schema examples/person.schema.json --max-tokens 96 --seed 0 --json
+k3trt --log-level WARNING run "$out/engine" --prompt "A person, as JSON: " \
+  --speculative mtp --json-schema examples/person.schema.json --max-tokens 96 --seed 0 --json

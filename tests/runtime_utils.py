@@ -37,6 +37,17 @@ def assert_no_leak(llm) -> None:
     assert not llm.scheduler.running and not llm.scheduler.waiting
 
 
+def assert_released(llm) -> None:
+    """assert_no_leak, and the drafter holds nothing for any request (speculative decoding)."""
+    assert_no_leak(llm)
+    d = llm.spec.drafter
+    for name in ("seqs", "_index", "blind"):
+        assert not getattr(d, name, None), f"drafter {d.name} still holds {name}: {getattr(d, name)}"
+    if hasattr(d, "free_slots"):      # a draft model: every slot and cache block back
+        assert len(d.free_slots) == llm.config.max_batch
+        assert len(d.blocks.free) == next(iter(d.cache.mla.values())).shape[0]
+
+
 def prompts(seed: int, lengths: list[int], vocab: int = 120000) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -3,6 +3,11 @@ and the MTP layers (DeepSeek-V3 style next-token-prediction heads) when the conf
 
 Module names equal the checkpoint's names below ``language_model.`` (weights.py holds the few
 exceptions as data). MTP layer j is ``model.layers[num_hidden_layers + j]``, as in DeepSeek-V3.
+
+``comm`` (k3trt/parallel) makes this one rank's shard: the mixers and MLPs split as their modules
+say. lm_head is vocab-parallel: each rank holds and reads 1/tp of it per step (K3: 163840 × 7168,
+2.3 GB in bf16) and the [rows, V/tp] logits are all-gathered. The embedding stays replicated: a
+lookup reads only T rows, and splitting it would add an all-reduce of [T, hidden].
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ from k3trt.model.kda import KDA
 from k3trt.model.layers import GatedMLP, RMSNorm
 from k3trt.model.mla import MLA
 from k3trt.model.moe import MoE
+from k3trt.parallel.comm import SINGLE, Comm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, *, mtp: bool = False):
+    def __init__(self, cfg: ModelConfig, idx: int, *, mtp: bool = False, comm: Comm = SINGLE):
         super().__init__()
         self.idx, self.cfg, self.is_kda = idx, cfg, (not mtp) and cfg.is_kda(idx)
         H = cfg.hidden_size
-        self.self_attn = KDA(cfg) if self.is_kda else MLA(cfg, use_rope=True if mtp else None)
-        self.mlp = MoE(cfg) if (mtp or cfg.is_moe(idx)) else GatedMLP(cfg, H, cfg.intermediate_size)
+        self.self_attn = KDA(cfg, comm) if self.is_kda else MLA(cfg, use_rope=True if mtp else None, comm=comm)
+        self.mlp = MoE(cfg, comm) if (mtp or cfg.is_moe(idx)) else GatedMLP(cfg, H, cfg.intermediate_size, comm)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if cfg.attn_res_block_size and not mtp:
@@ -61,8 +67,8 @@ class DecoderLayer(nn.Module):
 class MTPLayer(DecoderLayer):
     """Predicts token t+2 from the target's hidden state at t and the embedding of token t+1."""
 
-    def __init__(self, cfg: ModelConfig, idx: int):
-        super().__init__(cfg, idx, mtp=True)
+    def __init__(self, cfg: ModelConfig, idx: int, comm: Comm = SINGLE):
+        super().__init__(cfg, idx, mtp=True, comm=comm)
         H = cfg.hidden_size
         self.enorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
@@ -76,13 +82,13 @@ class MTPLayer(DecoderLayer):
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE):
         super().__init__()
         self.cfg = cfg
         H, L = cfg.hidden_size, cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(L)] +
-                                    [MTPLayer(cfg, L + j) for j in range(cfg.num_nextn_predict_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, comm=comm) for i in range(L)] +
+                                    [MTPLayer(cfg, L + j, comm) for j in range(cfg.num_nextn_predict_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         if cfg.attn_res_block_size:
             self.output_attn_res_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -107,11 +113,15 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.model = K3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        comm.pc.validate(cfg)
+        self.cfg, self.comm = cfg, comm
+        self.model = K3Model(cfg, comm)
+        # tied weights stay replicated (the embedding is); otherwise lm_head is vocab-parallel
+        self.vocab_parallel = comm.pc.tp > 1 and not cfg.tie_word_embeddings
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // (comm.pc.tp if self.vocab_parallel else 1),
+                                 bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -120,11 +130,15 @@ class K3ForCausalLM(nn.Module):
         return self.model(input_ids, ctx, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        return self._head(self.model.norm(hidden)).float()
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lm_head(x)
+        return self.comm.all_gather(y, "tp", dim=-1) if self.vocab_parallel else y
 
     def mtp(self, j: int, prev_hidden: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext,
             cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer j: (its hidden state, its logits fp32). The embedding and lm_head are shared."""
         layer = self.model.layers[self.cfg.num_hidden_layers + j]
         h = layer(self.model.embed_tokens(next_ids), prev_hidden, ctx, cache)
-        return h, self.lm_head(layer.shared_head.norm(h)).float()
+        return h, self._head(layer.shared_head.norm(h)).float()

@@ -7,7 +7,10 @@ cleared). The final state and window are written back to the slot; with ``ctx.sa
 also the state and window after every position j, into ``step_state[slot, j]`` /
 ``step_conv[slot, j]``, so that verification can roll back to any accepted length.
 
-Parameter names are the checkpoint's, under ``model.layers.{i}.self_attn.``.
+Parameter names are the checkpoint's, under ``model.layers.{i}.self_attn.``. Heads are
+independent: under tensor parallelism each rank holds linear_attn_config.num_heads / tp of them
+(every per-head projection, conv channel, A_log and dt_bias; the caches too) and o_proj's partial
+outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import Tensor, nn
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import KDALayerCache, StepContext
+from k3trt.parallel.comm import SINGLE, Comm
 from k3trt.plugins import kda as _kda_ops  # noqa: F401  (registers torch.ops.k3trt.kda_*)
 
 # Sequences with more new tokens than this use the chunked form (unless every per-position state
@@ -54,10 +58,11 @@ def _l2norm(x: Tensor) -> Tensor:
 
 
 class KDA(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE):
         super().__init__()
         la = cfg.linear_attn_config
-        self.num_heads, self.head_dim = H, D = la.num_heads, la.head_dim
+        self.comm = comm
+        self.num_heads, self.head_dim = H, D = la.num_heads // comm.pc.tp, la.head_dim
         self.kernel = la.short_conv_kernel_size
         self.gate_lower_bound = la.gate_lower_bound
         self.use_full_rank_gate = la.use_full_rank_gate
@@ -131,7 +136,7 @@ class KDA(nn.Module):
         o = torch.cat(outs, 0) if outs else x.new_zeros(0, H, D, dtype=torch.float32)
 
         o = self.o_norm(o) * torch.sigmoid(self.output_gate(x).float())
-        return self.o_proj(o.to(x.dtype).reshape(-1, H * D))
+        return self.comm.all_reduce(self.o_proj(o.to(x.dtype).reshape(-1, H * D)), "tp")
 
     def _run(self, qkv: Tensor, g: Tensor, beta: Tensor, conv_w: Tensor, slots: Tensor, fresh: Tensor,
              save: bool, cache: KDALayerCache) -> Tensor:

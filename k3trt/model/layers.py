@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3trt.config import ModelConfig
+from k3trt.parallel.comm import SINGLE, Comm
 
 
 class RMSNorm(nn.Module):
@@ -52,14 +53,17 @@ def gated_act(cfg: ModelConfig):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x), up(x))): the dense MLP, each shared expert block and (stacked) each expert."""
+    """down(act(gate(x), up(x))): the dense MLP, each shared expert block and (stacked) each expert.
+    Tensor parallel: gate/up column-parallel, down row-parallel, then an all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, width: int, inter: int):
+    def __init__(self, cfg: ModelConfig, width: int, inter: int, comm: Comm = SINGLE):
         super().__init__()
+        inter //= comm.pc.tp
         self.gate_proj = nn.Linear(width, inter, bias=False)
         self.up_proj = nn.Linear(width, inter, bias=False)
         self.down_proj = nn.Linear(inter, width, bias=False)
         self.act = gated_act(cfg)
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.comm.all_reduce(self.down_proj(self.act(self.gate_proj(x), self.up_proj(x))), "tp")

@@ -12,16 +12,17 @@ import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
 from k3trt.config import ModelConfig
 from k3trt.model.k3 import K3ForCausalLM
 from k3trt.model.weights import load_weights
+from k3trt.parallel.comm import SINGLE, Comm
 
 log = logging.getLogger(__name__)
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                meta: bool = True) -> K3ForCausalLM:
+                meta: bool = True, comm: Comm = SINGLE) -> K3ForCausalLM:
     """An uninitialised model with parameters of `dtype` on `device` (allocated but not filled
-    when `meta`: the caller loads or initialises every parameter)."""
+    when `meta`: the caller loads or initialises every parameter); rank comm.pc.rank's shard."""
     with torch.device("meta" if meta else device):
-        model = K3ForCausalLM(cfg)
+        model = K3ForCausalLM(cfg, comm)
     if meta:
         model = model.to_empty(device=device)
         # non-persistent buffers (rope frequencies) do not survive to_empty: rebuild them
@@ -33,11 +34,11 @@ def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device:
 
 
 def load_model(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[ModelConfig, K3ForCausalLM]:
+               device: str | torch.device = "cpu", comm: Comm = SINGLE) -> tuple[ModelConfig, K3ForCausalLM]:
     t0 = time.perf_counter()
     cfg = ModelConfig.from_json(ckpt_dir)
-    model = build_model(cfg, dtype=dtype, device=device)
-    load_weights(model, ckpt_dir, cfg)
+    model = build_model(cfg, dtype=dtype, device=device, comm=comm)
+    load_weights(model, ckpt_dir, cfg, comm.pc)
     log.info("loaded %s (%d layers, %.1fM parameters) in %.1fs", ckpt_dir, cfg.num_hidden_layers,
              sum(p.numel() for p in model.parameters()) / 1e6, time.perf_counter() - t0)
     return cfg, model

@@ -8,6 +8,12 @@ Two forms that must agree:
             out = out_lat · W_UV. Used for decode (Q = 1) and verification (Q = K+1).
 New tokens are written to the paged cache first (``k3trt::mla_cache_write``), so both forms read
 the same (possibly fp8) values.
+
+Tensor parallel: each rank holds num_attention_heads / tp heads (q_b_proj, kv_b_proj, g_proj
+column-parallel, o_proj row-parallel + all-reduce). Decode context parallel (dcp > 1): the cache
+holds this rank's tokens only (the step's slot_mapping is -1 for other ranks' tokens, its
+block_table addresses the local pages) and every step takes the absorbed form, merged across the
+DCP group by k3trt.parallel.attention.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from torch import nn
 from k3trt.config import ModelConfig, RopeScaling
 from k3trt.model.context import StepContext
 from k3trt.model.layers import RMSNorm
+from k3trt.parallel.attention import dcp_mla_attention
+from k3trt.parallel.comm import SINGLE, Comm
 from k3trt.plugins.cache_write import read_cache_rows
 
 # Uniform steps of at most this many tokens per sequence take the absorbed (fused) path: the
@@ -60,11 +68,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, use_rope: bool | None = None):
+    def __init__(self, cfg: ModelConfig, *, use_rope: bool | None = None, comm: Comm = SINGLE):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.comm = cfg, comm
         self.use_rope = (not cfg.mla_use_nope) if use_rope is None else use_rope
-        h, H = cfg.hidden_size, cfg.num_attention_heads
+        h, H = cfg.hidden_size, cfg.num_attention_heads // comm.pc.tp      # this rank's heads
         self.num_heads, self.nope, self.rope, self.v_dim = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
         kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -117,18 +125,24 @@ class MLA(nn.Module):
         positions = ctx.positions(x.device)
         q_nope, q_pe, kv_c, k_pe = self.project(x, positions)
         torch.ops.k3trt.mla_cache_write(kv_c, k_pe, kv_cache, ctx.slot_mapping, kv_scale)
+        dcp = self.comm.pc.dcp > 1
         if absorbed is None:
-            absorbed = ctx.uniform_q is not None and ctx.uniform_q <= ABSORBED_MAX_Q
+            absorbed = dcp or (ctx.uniform_q is not None and ctx.uniform_q <= ABSORBED_MAX_Q)
+        elif dcp and not absorbed:
+            raise ValueError("MLA: the naive form needs the whole cache; under DCP use the absorbed form")
         attend = self._absorbed if absorbed else self._naive
         out = attend(q_nope, q_pe, ctx, kv_cache, kv_scale)                      # [T, H, v]
         if hasattr(self, "g_proj"):
             out = out * torch.sigmoid(self.g_proj(x).view_as(out).float()).to(out.dtype)
-        return self.o_proj(out.flatten(1))
+        return self.comm.all_reduce(self.o_proj(out.flatten(1)), "tp")
 
     def _absorbed(self, q_nope, q_pe, ctx: StepContext, kv_cache, kv_scale) -> torch.Tensor:
         w_uk, w_uv = self.w_uk_uv()
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)
+        if self.comm.pc.dcp > 1:
+            out_lat = dcp_mla_attention(q, ctx, kv_cache, self.softmax_scale, kv_scale, self.kv_lora, self.comm)
+            return torch.einsum("thr,hvr->thv", out_lat, w_uv)
         out_lat, _ = torch.ops.k3trt.mla_verify(
             q, kv_cache, ctx.block_table, ctx.seq_lens().to(q.device), ctx.uniform_q,
             self.softmax_scale, kv_scale, self.kv_lora)

@@ -9,6 +9,13 @@ Latent path: x --routed_expert_down_proj--> width W (K3: 3584) --experts--> Σ w
 --RMSNorm (latent_moe_use_norm)--> routed_expert_up_proj --> hidden. Shared experts see x itself.
 Experts are stored stacked ([E, I, W] and [E, W, I]) so a grouped GEMM can take them whole; the
 checkpoint keeps one tensor per expert and weights.py stacks them.
+
+Expert parallel (ep > 1): rank e holds experts [e·E/ep, (e+1)·E/ep); every rank routes every token
+(the router is replicated), runs its own experts on the tokens routed to them, and the latent
+outputs are summed by an all-reduce over the EP group: simple and exact, ~2·T·W values per rank.
+The alternative is an all-to-all that sends each token to the ranks of its k experts and back
+(DeepEP; ~2·T_local·min(k, ep)·W per rank): it pays when tokens are split between ranks
+(attention data parallel); with every token already on every rank, as under TP, it does not.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torch import nn
 
 from k3trt.config import ModelConfig
 from k3trt.model.layers import GatedMLP, RMSNorm, gated_act
+from k3trt.parallel.comm import SINGLE, Comm
 
 
 class Router(nn.Module):
@@ -50,11 +58,12 @@ def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 class Experts(nn.Module):
-    """E gated MLPs at width W, stacked; forward loops over the experts that received tokens."""
+    """E gated MLPs at width W, stacked; forward loops over the experts that received tokens.
+    An id equal to E (the number of experts held here) is another EP rank's: skipped."""
 
-    def __init__(self, cfg: ModelConfig, width: int):
+    def __init__(self, cfg: ModelConfig, width: int, num_experts: int | None = None):
         super().__init__()
-        E, inter = cfg.num_experts, cfg.moe_intermediate_size
+        E, inter = num_experts or cfg.num_experts, cfg.moe_intermediate_size
         self.w_gate = nn.Parameter(torch.empty(E, inter, width))
         self.w_up = nn.Parameter(torch.empty(E, inter, width))
         self.w_down = nn.Parameter(torch.empty(E, width, inter))
@@ -64,7 +73,7 @@ class Experts(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()[: self.w_gate.shape[0]]
         token_of = order // ids.shape[1]
         start = 0
         for e, n in enumerate(counts):
@@ -80,23 +89,30 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, comm: Comm = SINGLE):
         super().__init__()
         width = cfg.routed_expert_hidden_size or cfg.hidden_size
+        self.comm, local = comm, cfg.num_experts // comm.pc.ep
+        self.first_expert = comm.pc.ep_rank * local
         self.gate = Router(cfg)
         if cfg.routed_expert_hidden_size:
             self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, width, bias=False)
             self.routed_expert_up_proj = nn.Linear(width, cfg.hidden_size, bias=False)
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps)
-        self.experts = Experts(cfg, width)
+        self.experts = Experts(cfg, width, local)
         if cfg.num_shared_experts:
-            self.shared_experts = GatedMLP(cfg, cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+            self.shared_experts = GatedMLP(cfg, cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts,
+                                           comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
+        if self.comm.pc.ep > 1:     # global ids -> this rank's; other ranks' experts -> E_local (skipped)
+            local = ids - self.first_expert
+            E = self.experts.w_gate.shape[0]
+            ids = torch.where((local >= 0) & (local < E), local, E)
         latent = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-        y = self.experts(latent, ids, weights)
+        y = self.comm.all_reduce(self.experts(latent, ids, weights), "ep")
         if hasattr(self, "routed_expert_norm"):
             y = self.routed_expert_norm(y)
         if hasattr(self, "routed_expert_up_proj"):

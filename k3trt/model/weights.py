@@ -5,6 +5,12 @@ checkpoint) except for the few rules in ``RULES``, kept as data. Loading is stri
 parameter comes from the checkpoint with its exact shape, every checkpoint tensor is consumed (the
 vision tower and projector are skipped by the explicit ``SKIP_PREFIXES`` list, and the log says
 so), and anything else is an error that names the tensor.
+
+With a ParallelConfig, each rank loads its shard (k3trt/parallel/shard.py says which slice of each
+tensor): the slice is cut from the memory-mapped tensor before it is converted, so only its bytes
+are read; another EP rank's experts are marked consumed without reading them. Quantized (fp8 /
+mxfp4) weights are dequantized whole before the cut; K3's mxfp4 tensors are per-expert, so EP
+still reads only its own.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from torch import nn
 
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_io import CheckpointReader
-from k3trt.model.quant import load_linear_weight, quantize_for_checkpoint
+from k3trt.model.quant import WEIGHT_SUFFIXES, load_linear_weight, quantize_for_checkpoint
+from k3trt.parallel.config import ParallelConfig
+from k3trt.parallel.shard import WHOLE, Part, ShardError, param_part
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,9 @@ def _is_linear(name: str, shape: torch.Size) -> bool:
     return name.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in name
 
 
-def _read(reader: CheckpointReader, name: str, expect: torch.Size, dtype: torch.dtype, param: str) -> torch.Tensor:
+def _read(reader: CheckpointReader, name: str, expect: torch.Size, dtype: torch.dtype, param: str,
+          part: Part = WHOLE) -> torch.Tensor:
+    """Checkpoint tensor `name` (of full shape `expect`), cut to `part`, as `dtype`."""
     try:
         if _is_linear(name, expect):
             t = load_linear_weight(reader, name[: -len(".weight")], out_dtype=dtype)
@@ -86,12 +96,24 @@ def _read(reader: CheckpointReader, name: str, expect: torch.Size, dtype: torch.
     if t.shape != expect:
         raise WeightError(f"checkpoint {reader.path}: tensor '{name}' has shape {tuple(t.shape)}; "
                           f"model parameter '{param}' expects {tuple(expect)}")
-    return t.to(dtype)
+    return part.take(t).to(dtype)
 
 
-def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig) -> None:
+def _skip(reader: CheckpointReader, name: str, param: str) -> None:
+    """Mark another rank's linear weight `name` (any stored format) consumed without reading it."""
+    module = name.removesuffix(".weight")
+    present = [f"{module}.{s}" for s in WEIGHT_SUFFIXES if f"{module}.{s}" in reader]
+    if not present:
+        raise WeightError(f"checkpoint {reader.path}: missing tensor '{name}' (model parameter '{param}')")
+    for n in present:
+        reader.get(n)           # a view of the mmap: marks it consumed, reads no data
+
+
+def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
+                 pc: ParallelConfig | None = None) -> None:
     """Fill every parameter of `model` (built on any device, e.g. meta then to_empty) from the
-    checkpoint at `ckpt_dir`, strictly."""
+    checkpoint at `ckpt_dir`, strictly. With `pc`, `model` is rank pc.rank's shard (built with a
+    Comm of that config) and gets its slice of every tensor."""
     prefix = checkpoint_prefix(cfg)
     with CheckpointReader(ckpt_dir) as reader:
         skipped = reader.skip_prefixes(SKIP_PREFIXES)
@@ -100,10 +122,19 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig) -> No
         params = dict(model.named_parameters())
         for i, (pname, p) in enumerate(params.items()):
             rule, names = sources(pname, cfg)
+            part = param_part(pname, pc) if pc is not None and pc.world_size > 1 else WHOLE
             if rule is None:
-                t = _read(reader, prefix + names[0], p.shape, p.dtype, pname)
+                t = _read(reader, prefix + names[0], part.full_shape(p.shape), p.dtype, pname, part)
             elif rule.combine == "stack":
-                t = torch.stack([_read(reader, prefix + n, p.shape[1:], p.dtype, pname) for n in names])
+                if part.dim not in (None, 0):
+                    raise ShardError(f"'{pname}': stacked experts split only along dim 0 (experts)")
+                mine = part.range(len(names))                  # this rank's experts
+                for e, n in enumerate(names):
+                    if e not in mine:
+                        _skip(reader, prefix + n, pname)
+                t = torch.stack([_read(reader, prefix + names[e], p.shape[1:], p.dtype, pname) for e in mine])
+            elif part.dim is not None:
+                raise ShardError(f"'{pname}' is concatenated from {names}; splitting it is not supported")
             else:
                 sizes = rule.split(cfg)
                 t = torch.cat([_read(reader, prefix + n, torch.Size([s, *p.shape[1:]]), p.dtype, pname)

@@ -4,7 +4,10 @@
     session.verify(batch)  -> logits [T, V] fp32, every row            (batch-capacity engines)
     session.copy_kda(pairs)                 KDA slot copies (prefix-cache checkpoints), in order
     session.rollback_kda(slots, positions)  KDA slot <- its state after position j of the last
-                                            verify step (speculative rollback, issue 5)
+                                            verify step (speculative rollback)
+    session.hidden                          after a forward of a batch with keep_hidden: its hidden
+                                            states [T, hidden] (pre-final-norm, every row; MTP
+                                            drafting), else None
 
 A verify step holds S requests with 1 + len(drafts) rows each: decode is verify with no drafts.
 ``Batch`` carries the step in the flat token layout of k3trt/model/context.py, on the host, plus
@@ -48,13 +51,15 @@ class Batch:
     logit_rows: torch.Tensor       # int64 [R]: the rows whose logits are wanted
     capacity: int                  # the capacity bucket this step runs at
     save_kda_states: bool = False  # keep the KDA state after every row (verification with drafts)
+    keep_hidden: bool = False      # keep every row's hidden state in session.hidden (MTP drafting)
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
 
-def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_states: bool = False) -> Batch:
+def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_states: bool = False,
+               keep_hidden: bool = False) -> Batch:
     """Flatten `seqs` into one step (host tensors)."""
     ids, slots, rows, t = [], [], [], 0
     width = max(len(s.blocks) for s in seqs)
@@ -71,7 +76,7 @@ def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_stat
                  ctx_lens=tuple(s.ctx_len for s in seqs), slot_mapping=torch.cat(slots), block_table=table,
                  kda_slots=torch.tensor([s.kda_slot for s in seqs], dtype=torch.int64),
                  logit_rows=torch.tensor(rows, dtype=torch.int64), capacity=capacity,
-                 save_kda_states=save_kda_states)
+                 save_kda_states=save_kda_states, keep_hidden=keep_hidden)
 
 
 class EngineSession(abc.ABC):
@@ -79,6 +84,7 @@ class EngineSession(abc.ABC):
     cfg: ModelConfig
     plan: CachePlan
     device: torch.device
+    hidden: torch.Tensor | None = None
 
     @abc.abstractmethod
     def prefill(self, batch: Batch) -> torch.Tensor: ...
@@ -113,6 +119,7 @@ class TorchSession(EngineSession):
                           batch.kda_slots.to(dev), batch.save_kda_states)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids.to(dev), ctx, self.cache)
+            self.hidden = hidden if batch.keep_hidden else None
             return self.model.logits(hidden[batch.logit_rows.to(dev)])
 
     def prefill(self, batch: Batch) -> torch.Tensor:

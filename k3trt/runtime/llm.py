@@ -4,14 +4,19 @@
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=16))
     for delta in llm.stream("Hello", SamplingParams(temperature=0.7, seed=1)): print(delta.delta_text)
 
+    llm = LLM("engine_dir", speculative="ngram", spec_tokens=3)   # or "draft:CKPT_DIR", "mtp"
+    llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
+
 Raw prompt strings are encoded with special-token strings recognised (as Hugging Face does); use
-k3trt.runtime.chat.render_ids for chat messages with untrusted text. ``run`` is what
+k3trt.runtime.chat.render_ids for chat messages with untrusted text. Speculative decoding and
+structured output are wired per step in spec_step.py and structured/runtime.py. ``run`` is what
 ``k3trt run --json`` prints. Requests submitted with ``add_request`` are driven by ``step()``; do
 not mix them with a ``generate``/``stream`` call in flight (those keep only their own outputs).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -27,11 +32,14 @@ import torch
 
 from k3trt.builder.engine_dir import read_engine_dir
 from k3trt.runtime import sampling
-from k3trt.runtime.engine import Seq, TorchSession, make_batch
+from k3trt.runtime.engine import TorchSession
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import FinishReason, Request, RequestOutput, Status, new_request
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from k3trt.runtime.spec_step import Speculator, Verdict, decide
+from k3trt.runtime.step import Rows, StepOutput, run_plan
+from k3trt.runtime.speculative import NoDrafter, make_drafter, spec_tokens_for, truncate_at_stop
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ class EngineOptions:
     kda_checkpoints: int | None = None    # KDA state checkpoints for prefix hits; None: max_batch
     verify_checksums: bool = True
     seed: int = 0                         # draws the seeds of requests that bring none
+    speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp
+    spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -75,10 +85,14 @@ class LLM:
         verify = _upto(ed.capacities.verify, opts.max_batch, "max_batch")
         max_num_tokens = min(opts.max_num_tokens or b.max_num_tokens, b.max_num_tokens)
         self.max_model_len = min(opts.max_model_len or b.max_seq_len, b.max_seq_len)
-        self.config = SchedulerConfig(
-            max_num_tokens=max_num_tokens, verify_capacities=verify,
-            prefill_capacities=_upto(ed.capacities.prefill, max_num_tokens, "max_num_tokens"),
-            max_model_len=self.max_model_len, prefix_caching=opts.prefix_caching, hybrid=hybrid)
+        k = spec_tokens_for(opts.speculative, opts.spec_tokens, built=ed.capacities.spec_tokens)
+        try:
+            self.config = SchedulerConfig(
+                max_num_tokens=max_num_tokens, verify_capacities=verify,
+                prefill_capacities=_upto(ed.capacities.prefill, max_num_tokens, "max_num_tokens"),
+                max_model_len=self.max_model_len, prefix_caching=opts.prefix_caching, hybrid=hybrid, spec_tokens=k)
+        except ValueError as e:
+            raise ValueError(f"{e}: lower spec_tokens or max_batch, or raise max_num_tokens") from None
         _, model = load_model(ed.rank_dir, dtype=b.torch_dtype, device=device)
         checkpoints = (verify[-1] if opts.kda_checkpoints is None else opts.kda_checkpoints) \
             if hybrid and opts.prefix_caching else 0
@@ -86,22 +100,28 @@ class LLM:
                                           if device.type == "cuda" else CPU_CACHE_BYTES)
         plan = plan_cache(cfg, budget_bytes=budget, block_size=opts.block_size or b.block_size,
                           max_live=verify[-1], max_model_len=self.max_model_len, kv_dtype=b.kv_torch_dtype,
-                          state_dtype=b.torch_dtype, num_blocks=opts.num_blocks, num_checkpoints=checkpoints)
+                          state_dtype=b.torch_dtype, num_blocks=opts.num_blocks, num_checkpoints=checkpoints,
+                          max_q=k + 1 if k else 0)
         self.session = TorchSession(model, cfg, plan, device=device, dtype=b.torch_dtype,
-                                    kv_dtype=b.kv_torch_dtype, kv_scale=b.kv_scale)
+                                    kv_dtype=b.kv_torch_dtype, kv_scale=b.kv_scale, max_q=k + 1 if k else 0)
+        drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
+                               target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
+                               sample_drafts=True) if k else NoDrafter()
+        self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer, self.eos_ids = _load_tokenizer(ed.tokenizer_dir)
         self.vocab_size = cfg.vocab_size
+        self._grammars = None       # structured.runtime.Grammars, made by the first guided request
         self._requests: dict[str, Request] = {}
         self._touched: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(opts.seed)
         self.counters: dict[str, Any] = {"steps": 0, "preemptions": 0, "generated_tokens": 0,
                                          "capacity_hits": {"verify": Counter(), "prefill": Counter()}}
-        log.info("engine ready in %.1fs: %s on %s, verify capacities %s, prefill capacities %s, max_model_len %d",
-                 time.perf_counter() - t0, ed.path, device, list(verify), list(self.config.prefill_capacities),
-                 self.max_model_len)
+        log.info("engine ready in %.1fs: %s on %s, verify capacities %s, prefill capacities %s, max_model_len %d, "
+                 "speculative %s (K=%d)", time.perf_counter() - t0, ed.path, device, list(verify),
+                 list(self.config.prefill_capacities), self.max_model_len, opts.speculative, k)
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> str:
@@ -121,12 +141,21 @@ class LLM:
         req = new_request(prompt, params, index=index, request_id=request_id or f"req-{next(self._ids)}",
                           tokenizer=self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         if not req.params.greedy:
-            seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(63)
-            req.generator = sampling.make_generator(seed, self.session.device)
+            req.seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(63)
+            req.generator = sampling.make_generator(req.seed, self.session.device)
         if self.tokenizer is not None:
             from k3trt.runtime.tokenizer import IncrementalDetokenizer
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special=True)
+        if req.params.guided is not None:     # compiles off the step loop; the request waits for it
+            req.guide_future = self._grammar_runtime().submit(req.params.guided)
         return req
+
+    def _grammar_runtime(self):
+        if self._grammars is None:
+            from k3trt.runtime.structured.runtime import Grammars
+            self._grammars = Grammars(self.tokenizer, self.vocab_size,
+                                      rows=self.config.max_batch * (1 + self.spec.k))
+        return self._grammars
 
     def _submit(self, req: Request) -> None:
         if req.request_id in self._requests:
@@ -145,89 +174,121 @@ class LLM:
         req.stats.finished = time.perf_counter()
         self.scheduler.remove(req)
         self.cache.free(req)
-        req.generator = req.detokenizer = None
-        req.drafts = []
+        self.spec.release(req)
+        if req.guided is not None:
+            req.guided.release()
+        req.generator = req.detokenizer = req.guided = req.guide_future = None
+        req.set_drafts([])
         self._requests.pop(req.request_id, None)
         self._touched[req.request_id] = req
         if error:
             log.warning("request %s failed: %s", req.request_id, error)
 
+    def _fault(self, req: Request, error: str) -> None:
+        """A fault confined to one request (its drafter, grammar or processors): it ends, alone."""
+        self._finish(req, FinishReason.ERROR, error=error)
+
+    def close(self) -> None:
+        """Stop the grammar compile threads (the engine itself needs no closing)."""
+        if self._grammars is not None:
+            self._grammars.close()
+
     # ---------------------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns a snapshot (with deltas) of every request that changed."""
+        if self._grammars is not None:
+            self._grammars.attach_ready(self.scheduler.compiling, self._fault)
+        self.spec.draft([r for r in self.scheduler.running if r.status is Status.RUNNING and r.decoding],
+                        self._fault)
         plan = self.scheduler.schedule()
         self.counters["preemptions"] += len(plan.preempted)
+        for req in plan.preempted:
+            self.spec.release(req)                     # it recomputes from its prompt: so does the drafter
         self.session.copy_kda(self.cache.copies)      # checkpoint saves/restores, before the forward
         self.cache.copies.clear()
+        guided_rows = []
+        if self._grammars is not None:               # masks; a grammar fault takes its request out
+            guided_rows = self._grammars.fill([*plan.decodes, *(c.req for c in plan.prefills if c.completes)],
+                                              self._fault)
+            self.scheduler.refit(plan)
         if plan.empty:
-            if self.scheduler.has_work:      # cannot happen while the pool holds one max_model_len request
+            pending = [r.guide_future for r in self.scheduler.compiling]
+            if pending:                      # nothing to run until a grammar is compiled
+                concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            elif self.scheduler.has_work:    # cannot happen while the pool holds one max_model_len request
                 raise RuntimeError(f"the scheduler made no progress ({len(self.scheduler.running)} running, "
                                    f"{len(self.scheduler.waiting)} waiting, cache {self.cache.usage()})")
             return self._emit()
         try:
-            wants = self._forward(plan)
+            out = self._forward(plan)
         except Exception as e:
             for req in [*plan.decodes, *(c.req for c in plan.prefills)]:
                 self._finish(req, FinishReason.ERROR, error=f"engine step failed: {type(e).__name__}: {e}")
             raise
-        self._sample_and_commit(wants)
+        if guided_rows:
+            self._grammars.apply(out.logits, guided_rows)
+        self._sample_and_commit(out.rows, out.logits)
         return self._emit()
 
-    def _forward(self, plan: StepPlan) -> list[tuple[Request, torch.Tensor]]:
-        """Run the verify and prefill passes; the logits rows each sampling request needs."""
-        bs, wants, hits = self.cache.block_size, [], self.counters["capacity_hits"]
+    def _forward(self, plan: StepPlan) -> StepOutput:
+        """Run the step; prefill chunks that do not complete their prompt are committed here."""
+        out = run_plan(self.session, plan, block_size=self.cache.block_size, keep_hidden=self.spec.needs_hidden)
         self.counters["steps"] += 1
-        if plan.decodes:
-            seqs = [Seq(r.token_ids[r.num_computed:] + r.drafts, r.num_computed, r.blocks, r.kda_slot,
-                        1 + len(r.drafts)) for r in plan.decodes]
-            logits = self.session.verify(make_batch(seqs, bs, capacity=plan.verify_capacity,
-                                                    save_kda_states=any(r.drafts for r in plan.decodes)))
-            hits["verify"][plan.verify_capacity] += 1
-            rows = itertools.accumulate([s.num_logits for s in seqs], initial=0)
-            wants += [(r, logits[a:a + s.num_logits]) for r, s, a in zip(plan.decodes, seqs, rows)]
-        if plan.prefills:
-            seqs = [Seq(c.req.token_ids[c.start:c.start + c.num_tokens], c.start, c.req.blocks, c.req.kda_slot,
-                        int(c.completes)) for c in plan.prefills]
-            logits = self.session.prefill(make_batch(seqs, bs, capacity=plan.prefill_capacity))
-            hits["prefill"][plan.prefill_capacity] += 1
-            done = [c.req for c in plan.prefills if c.completes]
-            for c in plan.prefills:
+        for kind, cap in (("verify", plan.verify_capacity), ("prefill", plan.prefill_capacity)):
+            if cap is not None:
+                self.counters["capacity_hits"][kind][cap] += 1
+        for c, hidden in zip(plan.prefills, out.chunk_hidden):
+            self.spec.on_prefill(c.req, c.start, hidden, self._fault)
+            if not c.completes and not c.req.finished:     # a completing chunk moves at its commit
                 c.req.num_computed += c.num_tokens
-                if not c.completes:
-                    self.cache.commit(c.req)
-            wants += [(r, logits[i:i + 1]) for i, r in enumerate(done)]
-        return wants
+                self.cache.commit(c.req)
+        return out
 
-    def _sample_and_commit(self, wants: list[tuple[Request, torch.Tensor]]) -> None:
-        tokens: dict[int, tuple[list[int], list | None]] = {}
-        plain = [(r, x) for r, x in wants if r.params.plain and not r.drafts]
-        if plain:
-            for (r, _), t in zip(plain, sampling.greedy(torch.cat([x for _, x in plain]))):
-                tokens[id(r)] = ([t], None)
-        for req, x in wants:
-            if id(req) in tokens:
+    def _sample_and_commit(self, rows: list[Rows], logits: torch.Tensor) -> None:
+        verdicts = decide([r for r in rows if not r.req.finished], logits, self._fault)
+        slots, positions = [], []
+        for r in rows:
+            req = r.req
+            if req.finished or id(req) not in verdicts:
                 continue
-            try:       # a fault here (e.g. in the request's logits processor) ends this request only
-                tokens[id(req)] = sampling.sample(x, req.params, req.token_ids, req.num_prompt, req.generator)
-            except Exception as e:
-                self._finish(req, FinishReason.ERROR, error=f"sampling failed: {type(e).__name__}: {e}")
-        for req, _ in wants:
-            if req.finished:
-                continue
-            new, lps = tokens[id(req)]
-            # without drafts one row gives one token; issue 5's acceptance turns K+1 rows into 1..K+1
-            req.num_computed = len(req.token_ids)
-            self.cache.commit(req)
             self._touched[req.request_id] = req
             try:
-                for i, t in enumerate(new[:1]):
-                    self.counters["generated_tokens"] += 1
-                    end = req.append_token(t, lps[i] if lps else None, self.eos_ids, self.max_model_len)
-                    if end:
-                        self._finish(req, *end)
-                        break
+                kept = self._commit(req, verdicts[id(req)], r.hidden)
             except Exception as e:
-                self._finish(req, FinishReason.ERROR, error=f"output processing failed: {type(e).__name__}: {e}")
+                self._fault(req, f"output processing failed: {type(e).__name__}: {e}")
+                continue
+            if kept is not None and kept - 1 < len(req.drafts):
+                slots.append(req.kda_slot)
+                positions.append(kept - 1)     # the KDA state after the last kept row
+            req.set_drafts([])
+        if slots:
+            self.session.rollback_kda(slots, positions)
+
+    def _commit(self, req: Request, v: Verdict, hidden: torch.Tensor | None) -> int | None:
+        """Commit one request's emitted block; returns how many tokens it kept (None: it ended)."""
+        p, base = req.params, len(req.token_ids)
+        self.spec.record(req, v)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        block, _ = truncate_at_stop(v.tokens, stops, p.max_tokens - req.num_output)
+        if req.guided is not None:
+            block = block[:req.guided.commit(block)]   # GrammarError: a token its mask refused
+        if not block:
+            raise RuntimeError("no token to commit")
+        for i, t in enumerate(block):
+            self.counters["generated_tokens"] += 1
+            end = req.append_token(t, v.logprobs[i] if v.logprobs else None, self.eos_ids, self.max_model_len)
+            if end:
+                self._finish(req, *end)
+                return None
+        if req.guided is not None and req.guided.is_terminated:    # ignore_eos: the grammar still ended it
+            self._finish(req, FinishReason.STOP, block[-1])
+            return None
+        # cached now: every row but the last kept token's (the verify rows of the token before the
+        # block and of the accepted drafts); rows past them belong to rejected drafts
+        req.num_computed = base - 1 + len(block)
+        self.cache.commit(req)
+        self.spec.committed(req, base - 1, block, hidden, self._fault)
+        return None if req.finished else len(block)
 
     def _emit(self) -> list[RequestOutput]:
         outs = []
@@ -279,32 +340,21 @@ class LLM:
         return [self._make_request(p, sp, i, None) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def stats(self) -> dict[str, Any]:
+        """Engine counters: steps, preemptions, generated tokens, capacity hits, cache usage, and
+        speculative decoding (method, K, verify steps with drafts, drafted / accepted tokens,
+        acceptance rate, mean accepted length, accepted-length histogram)."""
         c = self.counters
         return {**{k: v for k, v in c.items() if k != "capacity_hits"},
                 "capacity_hits": {k: dict(sorted(v.items())) for k, v in c["capacity_hits"].items()},
-                "cache": self.cache.usage()}
+                "cache": self.cache.usage(), "speculative": self.spec.to_dict()}
 
 
-def run(engine_dir: str | Path, prompt: str, *, chat: bool = False, max_tokens: int = 64,
-        temperature: float = 0.0, seed: int | None = None, device: str = "cpu", speculative: str = "none",
-        **options: Any) -> dict[str, Any]:
-    """One prompt through a fresh engine: what `k3trt run ... --json` prints (its `text` is what the
-    plain `k3trt run` prints). `chat` wraps the prompt as one user message (K3 chat template)."""
-    if speculative != "none":
-        raise NotImplementedError(f"--speculative {speculative}: speculative decoding is not wired in yet "
-                                  "(issue 5); use --speculative none")
-    llm = LLM(engine_dir, device=device, **options)
-    if chat:
-        from k3trt.runtime.chat import render_ids
-        if llm.tokenizer is None:
-            raise ValueError("--chat needs the engine's tokenizer; this engine dir has none")
-        prompt = render_ids(llm.tokenizer, [{"role": "user", "content": prompt}])
-    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))[0]
-    engine = llm.stats()
-    return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-            "finish_reason": out.finish_reason, "error": out.error,
-            "stats": {**out.stats, "capacity_hits": engine["capacity_hits"], "steps": engine["steps"],
-                      "device": str(llm.session.device), "backend": llm.engine_dir.backend}}
+def run(engine_dir: str | Path, prompt: str, **kwargs: Any) -> dict[str, Any]:
+    """One prompt through a fresh engine: what `k3trt run ... --json` prints (oneshot.run has the
+    keyword arguments: chat, max_tokens, temperature, seed, device, speculative, json_schema, regex,
+    grammar, and engine options)."""
+    from k3trt.runtime.oneshot import run as run_once
+    return run_once(engine_dir, prompt, **kwargs)
 
 
 def _upto(caps: tuple[int, ...], limit: int | None, name: str) -> tuple[int, ...]:

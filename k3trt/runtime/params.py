@@ -3,6 +3,12 @@
 ``SamplingParams`` is frozen and checked when constructed, so a bad request fails at submission
 (with a message naming the field) and never inside a running step. ``from_dict`` is the entry for
 untyped input (CLI, HTTP): unknown keys are an error, not silently dropped.
+
+``guided`` (structured output) takes a ``structured.GuidedSpec``, a dict of its fields (e.g.
+``{"json_schema": {...}}``, ``{"regex": "[a-z]+"}``) or an already compiled
+``structured.CompiledGuide``; a dict is turned into a GuidedSpec here, so a bad schema fails at
+submission as ``RequestError("guided.json_schema", ...)``. ``speculative=False`` opts one request
+out of the engine's speculative decoding.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+    speculative: bool = True              # False: never drafted, even when the engine speculates
+    guided: Any = None                    # GuidedSpec | CompiledGuide | dict of GuidedSpec fields | None
 
     def __post_init__(self) -> None:
         # accept lists / a single string from callers, store tuples (the dataclass is frozen)
@@ -56,6 +64,8 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids", "logits_processors"):
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
         self._check()
+        if self.guided is not None:
+            object.__setattr__(self, "guided", _guided_spec(self.guided))
 
     @property
     def greedy(self) -> bool:
@@ -112,3 +122,29 @@ class SamplingParams:
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers")
         need(all(callable(p) for p in self.logits_processors), "logits_processors", "must be callables")
+        need(isinstance(self.speculative, bool), "speculative", "must be a bool")
+
+
+def _guided_spec(value: Any) -> Any:
+    """A GuidedSpec or CompiledGuide from what a caller passes as ``guided`` (module doc). Imported
+    lazily: xgrammar is only needed by requests that ask for structure."""
+    try:
+        from k3trt.runtime.structured import CompiledGuide, GrammarError, GuidedSpec
+    except ImportError as e:
+        raise RequestError("guided", f"structured output is unavailable: {e}") from None
+    if isinstance(value, (GuidedSpec, CompiledGuide)):
+        return value
+    if not isinstance(value, Mapping):
+        raise RequestError("guided", f"must be a GuidedSpec or a dict of its fields, got {type(value).__name__}")
+    known = [f.name for f in dataclasses.fields(GuidedSpec)]
+    for key in value:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise RequestError(f"guided.{key}", f"unknown field{hint}; known: {', '.join(known)}")
+    try:
+        return GuidedSpec(**value)
+    except GrammarError as e:
+        raise GrammarError(f"guided.{e.field}", e.message) from None
+    except ImportError as e:
+        raise RequestError("guided", f"structured output is unavailable: {e}") from None

@@ -1,18 +1,22 @@
 """One request's record: its tokens, where its cache lives, its sampler state, its text, its stats.
 
-Everything a request owns (cache blocks, KDA slot, RNG, detokenizer, drafts) hangs off this record
-and is released by ``LLM._finish`` in one place, however the request ends. ``new_request`` checks
+Everything a request owns (cache blocks, KDA slot, RNG, detokenizer, drafts and the drafter's
+state for it, grammar matcher) hangs off this record and is released by ``LLM._finish`` in one
+place, however the request ends. ``new_request`` checks
 a submission (errors name the field); ``append_token`` commits one token and says whether it ends
 the request (EOS, stop ids, stop strings, max_tokens, max_model_len). Token accounting:
 ``token_ids`` = prompt + generated; the first ``num_computed`` of them are in the caches. A request
 that is decoding has exactly one token not yet computed (the last sampled one); speculative drafts
-(``drafts``) ride on top of it in the next verify step.
+(``drafts``, with their draft distributions ``draft_q`` when the drafter sampled them) ride on top
+of it in the next verify step. A guided request waits in the queue (``ready`` False) until its
+grammar is compiled (``guide_future``), then holds its matcher in ``guided``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -43,9 +47,10 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0      # prompt tokens served by the prefix cache (last admission)
     preemptions: int = 0
-    drafted: int = 0            # speculative tokens proposed / accepted (issue 5)
+    drafted: int = 0            # speculative tokens verified / accepted
     accepted: int = 0
-    verify_steps: int = 0
+    verify_steps: int = 0       # verify steps that had drafts
+    accepted_lengths: Counter = field(default_factory=Counter)   # n -> verify steps that accepted n
 
     def to_dict(self, output_tokens: int) -> dict[str, Any]:
         end = self.finished or time.perf_counter()
@@ -61,7 +66,9 @@ class RequestStats:
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            # tokens emitted per verify step that had drafts (n accepted + the target's token)
             "mean_accepted_length": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None,
+            "accepted_length_histogram": {int(n): c for n, c in sorted(self.accepted_lengths.items())},
         }
 
 
@@ -106,6 +113,10 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: Any = None
     drafts: list[int] = field(default_factory=list)
+    draft_q: torch.Tensor | None = None  # [len(drafts), V] the drafts' distribution; None: one-hot
+    seed: int | None = None              # the request's seed (sampling and sampled drafts)
+    guide_future: Any = None             # Future[CompiledGuide] until the grammar is compiled
+    guided: Any = None                   # structured.GuidedState once it is
     block_hashes: list[bytes] = field(default_factory=list)   # chain hashes of its full blocks
     num_registered: int = 0             # leading blocks registered in the prefix cache
     # output
@@ -144,6 +155,14 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def ready(self) -> bool:
+        """Schedulable: not waiting for its grammar to compile."""
+        return self.guide_future is None
+
+    def set_drafts(self, drafts: list[int], q: torch.Tensor | None = None) -> None:
+        self.drafts, self.draft_q = drafts, (q[:len(drafts)] if q is not None and drafts else None)
 
     def append_token(self, token: int, logprobs: dict[int, float] | None, eos_ids: frozenset[int],
                      max_model_len: int) -> tuple[FinishReason, str | int | None] | None:
@@ -210,6 +229,9 @@ def new_request(prompt: str | Sequence[int], params: SamplingParams | Mapping[st
                                          f"(max_model_len {max_model_len} counts the output too)")
         if params.stop and tokenizer is None:
             raise RequestError("stop", "stop strings need the engine's tokenizer (the engine dir has none)")
+        if params.guided is not None:
+            from k3trt.runtime.structured.runtime import check_guided
+            check_guided(params.guided, ids, tokenizer, vocab_size)
     except RequestError as e:
         raise RequestError(e.field, f"{e.message} (request {index})") from None
     return Request(request_id, index, ids, params)

@@ -6,9 +6,15 @@ taken here, over the full vocabulary) → temperature → top-k → top-p → mi
 The draw is an exponential race (argmax p / E, E ~ Exp(1) from the request's torch.Generator), so a
 seeded request draws the same tokens whatever else is in the batch, on the device of the logits.
 ``probs`` is exposed on its own: speculative acceptance (issue 5) needs the target distribution p.
+
+Speculative verification gives one request 1 + len(drafts) rows; row j follows drafts[:j], so
+``process`` shows row j's processors and penalties the committed tokens plus drafts[:j] as
+generated, exactly what plain decoding would have seen at that position.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -71,14 +77,30 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dic
     return out
 
 
+def process(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int,
+            drafts: Sequence[int] = ()) -> torch.Tensor:
+    """One request's rows logits [R, V] (row j after drafts[:j]; R <= 1 + len(drafts)) -> a processed
+    fp32 copy: logits processors, then penalties. A processor or penalty that raises fails only
+    this request (the caller catches)."""
+    x = logits.float().clone()
+    penalised = (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty)
+    if not params.logits_processors and not penalised:
+        return x
+    drafts = list(drafts)
+    for j in range(x.shape[0]):
+        for proc in params.logits_processors:
+            x[j] = proc(list(token_ids[num_prompt:]) + drafts[:j], x[j]).reshape(x.shape[-1]).float()
+        if penalised:
+            apply_penalties(x[j:j + 1], params, list(token_ids) + drafts[:j] if j else token_ids, num_prompt)
+    return x
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int,
            generator: torch.Generator | None) -> tuple[list[int], list[dict[int, float]] | None]:
-    """Tokens for one request's rows logits [R, V] (R = 1 without speculation). Processors see the
-    request's generated ids; a processor or penalty that raises fails only this request."""
-    x = logits.float().clone()
-    for proc in params.logits_processors:
-        x = proc(list(token_ids[num_prompt:]), x[0] if x.shape[0] == 1 else x).reshape(x.shape).float()
-    x = apply_penalties(x, params, token_ids, num_prompt)
+    """Tokens for one request's single row logits [1, V] (speculative rows go through ``process``
+    and acceptance). Processors see the request's generated ids; a processor or penalty that raises
+    fails only this request."""
+    x = process(logits, params, token_ids, num_prompt)
     tokens = x.argmax(-1) if params.greedy else draw(probs(x, params), generator)
     lps = top_logprobs(x, tokens, params.logprobs) if params.logprobs is not None else None
     return tokens.tolist(), lps

@@ -2,13 +2,15 @@
 
 Policy (FCFS throughout; older requests never wait for newer ones):
   1. decodes: every running request whose prompt is done brings 1 + len(drafts) verify rows. If its
-     blocks cannot grow, the newest running request is preempted (caches dropped, recomputed
-     later), down to the request itself.
+     blocks cannot grow, its drafts go first (they are optional: speculation never preempts), then
+     the newest running request is preempted (caches dropped, recomputed later), down to the
+     request itself.
   2. prefill chunks for running requests that are still in their prompt (a chunk that gets no
      block at all preempts newer requests not yet in the step), then admission of waiting
      requests (a KDA slot, prefix-cache hit, blocks for the first chunk), under the step's token
      budget (``max_num_tokens``, decode rows count first) and the largest prefill capacity. The
-     head of the queue blocks the ones behind it; admission never preempts.
+     first ready request of the queue blocks the ones behind it (a request whose grammar is still
+     compiling is not ready and is passed over); admission never preempts.
 Chunk ends fall on block boundaries when the prompt goes on (and, for the hybrid model with prefix
 caching, the last full block boundary gets its own chunk end) so that KDA state checkpoints exist
 where prefix hits can use them.
@@ -100,6 +102,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def compiling(self) -> list[Request]:
+        """Waiting requests that cannot run yet (their grammar is compiling)."""
+        return [r for r in self.waiting if not r.ready]
+
     # ---------------------------------------------------------------------------- one step
     def schedule(self) -> StepPlan:
         plan, cfg = StepPlan(), self.config
@@ -109,6 +116,10 @@ class Scheduler:
                 continue
             rows = 1 + len(req.drafts)
             while not self.cache.allocate(req, req.num_computed + rows):
+                if req.drafts:
+                    req.set_drafts([])
+                    rows = 1
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim, plan)
                 if victim is req:
@@ -130,13 +141,15 @@ class Scheduler:
                 took = self._chunk(req, prefill_budget, plan)
             prefill_budget -= took
         while self.waiting and prefill_budget > 0 and self.cache.free_slots:
-            req = self.waiting[0]
+            req = next((r for r in self.waiting if r.ready), None)
+            if req is None:
+                break
             self.cache.admit(req)
             took = self._chunk(req, prefill_budget, plan)
             if not took:
                 self.cache.free(req)     # not enough blocks yet: it stays at the head of the queue
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             # by arrival, so that a resumed (preempted) request keeps its seniority
             bisect.insort(self.running, req, key=lambda r: r.stats.arrival)
@@ -146,6 +159,15 @@ class Scheduler:
         if plan.prefills:
             plan.prefill_capacity = pick(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills), "prefill")
         return plan
+
+    def refit(self, plan: StepPlan) -> None:
+        """Drop requests that ended after the schedule (e.g. a grammar fault) and re-pick capacities."""
+        plan.decodes = [r for r in plan.decodes if not r.finished]
+        plan.prefills = [c for c in plan.prefills if not c.req.finished]
+        cfg = self.config
+        plan.verify_capacity = pick(cfg.verify_capacities, len(plan.decodes), "verify") if plan.decodes else None
+        plan.prefill_capacity = pick(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills),
+                                     "prefill") if plan.prefills else None
 
     def _chunk(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Schedule the next prompt chunk of `req` within `budget` tokens; returns its size (0: none fit)."""
@@ -180,6 +202,7 @@ class Scheduler:
         log.info("preempting request %s (%d tokens cached): out of cache blocks", req.request_id, req.num_computed)
         self.running.remove(req)
         self.cache.free(req)
+        req.set_drafts([])
         req.status = Status.WAITING
         req.stats.preemptions += 1
         self.waiting.appendleft(req)

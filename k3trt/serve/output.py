@@ -38,6 +38,7 @@ class ChoiceStream:
     error: str | None = None
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)   # the runtime's stats of the latest output
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, skip_special=self.thinking is None)
@@ -60,6 +61,7 @@ class ChoiceStream:
         new = out.token_ids[len(self.token_ids):]
         lps = out.logprobs[len(self.token_ids):] if out.logprobs is not None else []
         self.token_ids += new
+        self.stats = out.stats or self.stats
         start = len(self.text)
         shown = [t for t in new if t in self._markers or not self.tokenizer.is_special(t)]
         self.text += self._detok.feed(shown) + (self._detok.finish() if out.finished else "")

@@ -23,7 +23,18 @@ MAX_SPEC_TOKENS = 7
 
 __all__ = ["AcceptanceStats", "Accepted", "DraftInput", "Drafter", "NgramConfig", "NgramDrafter", "NoDrafter",
            "Proposal", "accept_greedy", "accept_stochastic", "make_drafter", "pad_drafts", "pad_q",
-           "truncate_at_stop"]
+           "spec_tokens_for", "truncate_at_stop"]
+
+
+def spec_tokens_for(spec: str, requested: int | None, *, built: int) -> int:
+    """K for a run: 0 without a drafter ("none"); else `requested`, or the engine's build value, or 3
+    (a torch engine built with spec_tokens 0 verifies any K its token budget covers)."""
+    if spec == "none":
+        return 0
+    k = requested if requested is not None else (built or 3)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
+        raise ValueError(f"spec_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, got {k!r}")
+    return k
 
 
 def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target: torch.nn.Module | None = None,

@@ -21,6 +21,8 @@ propose (history x_0..x_{N-1}, k drafts):
 Afterwards valid = N-2 and the hidden of position N-2 is kept, so the next step 0 re-runs it with
 the new positions and always has a row to run. Rollback is implicit: speculative entries lie past
 ``valid`` and step 0 of the next propose overwrites them with true ones before anything reads them.
+A request whose first hand-over starts past position 0 (its prompt came from the target's prefix
+cache) gets no MTP drafts until it is released (its early hiddens were never computed).
 Only MTP layer 0 is used; further layers (num_nextn_predict_layers > 1) are not (see the report).
 """
 
@@ -72,10 +74,20 @@ class MTPDrafter(Drafter):
                                          device=self.device, layers=range(self.idx, self.idx + 1))
         self.blocks = BlockList(nb)
         self.seqs: dict[str, _Seq] = {}
+        self.blind: set[str] = set()      # requests whose first hand-over skipped positions (prefix hit)
 
     # ------------------------------------------------------------------------ drafter API
     def on_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
-        st = self.seqs.setdefault(request_id, _Seq())
+        if request_id in self.blind:
+            return
+        st = self.seqs.get(request_id)
+        if st is None:
+            if start > 0:   # the history began in the target's prefix cache: no hiddens for it, no drafts
+                log.debug("MTP drafter: %s starts at position %d (prefix cache hit); no drafts for it",
+                          request_id, start)
+                self.blind.add(request_id)
+                return
+            st = self.seqs[request_id] = _Seq()
         if start > st.known:
             raise ValueError(f"MTP drafter: hidden states for {request_id} start at position {start} but only "
                              f"positions < {st.known} were handed over (every committed position is needed)")
@@ -128,6 +140,7 @@ class MTPDrafter(Drafter):
         return out
 
     def release(self, request_id: str) -> None:
+        self.blind.discard(request_id)
         st = self.seqs.pop(request_id, None)
         if st is not None:
             self.blocks.give(st.blocks)

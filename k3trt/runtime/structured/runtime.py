@@ -1,0 +1,142 @@
+"""The engine's side of structured output: one `GrammarVocab` (built on first use, off the step loop),
+one `GrammarCache`, the bitmask rows of a step, and the submission check of a guided request.
+
+    grammars = Grammars(tokenizer, vocab_size, rows=max_batch * (K + 1))   # per engine, cheap
+    req.guide_future = grammars.submit(params.guided)   # at add_request: never blocks
+    grammars.attach_ready(waiting, fault)       # each step: compiled ones get their matcher
+    rows = grammars.fill(reqs, fault)           # after the schedule: masks, drafts cut
+    grammars.apply(logits, rows)                # after the forward, before sampling / acceptance
+
+`check_guided` runs at submission (request.new_request): a guided request needs the engine's
+tokenizer, a compiled guide must belong to this vocabulary size, and `after_reasoning` must match
+the prompt (thinking on: the prompt leaves a `think` block open; xtml.reasoning_open).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from k3trt.runtime.params import RequestError
+from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache
+from k3trt.runtime.structured.spec import GuidedSpec
+from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, num_words
+
+log = logging.getLogger(__name__)
+
+
+def check_guided(guided: GuidedSpec | CompiledGuide, prompt_ids: Sequence[int], tokenizer: Any,
+                 vocab_size: int) -> None:
+    """Refuse (RequestError naming the field) a guided request this engine cannot run as asked."""
+    if tokenizer is None:
+        raise RequestError("guided", "structured output needs the engine's tokenizer (the engine dir has none)")
+    spec = guided.spec if isinstance(guided, CompiledGuide) else guided
+    if isinstance(guided, CompiledGuide) and guided.vocab.vocab_size != vocab_size:
+        raise RequestError("guided", f"compiled for a vocabulary of {guided.vocab.vocab_size} ids; this "
+                                     f"engine's has {vocab_size}")
+    from k3trt.runtime.xtml import OPEN, reasoning_open
+    if OPEN not in getattr(tokenizer, "special_ids", {}):
+        return                               # not a K3 tokenizer: no think channel to match
+    thinking = reasoning_open(tokenizer.decode(prompt_ids))
+    if spec.after_reasoning != thinking:
+        where = "leaves a think block open (thinking on)" if thinking else "does not leave a think block open"
+        raise RequestError("guided.after_reasoning", f"is {spec.after_reasoning} but the prompt {where}; "
+                                                     f"set after_reasoning={thinking}")
+
+
+class Grammars:
+    """Per engine: the vocabulary, the compile cache and the step's bitmask (module doc)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, rows: int, threads: int = 2):
+        self._tokenizer, self._vocab_size, self.rows = tokenizer, vocab_size, rows
+        self._lock = threading.Lock()
+        self._vocab: Future[GrammarVocab] | None = None
+        self._builder: ThreadPoolExecutor | None = None
+        self.cache = GrammarCache(threads=threads)
+        self._bitmask: torch.Tensor | None = None
+
+    # ---- per step ----------------------------------------------------------------------------------
+    def attach_ready(self, reqs: Sequence[Any], fault: Callable[[Any, str], None]) -> None:
+        """Requests whose grammar finished compiling get their matcher (req.guided); a grammar that
+        failed to compile ends its request (fault)."""
+        for req in reqs:
+            if req.guide_future is not None and req.guide_future.done():
+                try:
+                    req.guided = req.guide_future.result().new_state()
+                    req.guide_future = None
+                except Exception as e:
+                    fault(req, f"grammar failed to compile: {e}")
+
+    def fill(self, reqs: Sequence[Any], fault: Callable[[Any, str], None]) -> list[int]:
+        """Bitmask rows for a step whose logits rows are `reqs` in order, 1 + len(drafts) each: each
+        guided request's drafts are cut at the first token its grammar refuses, and its rows filled.
+        Returns the guided rows. A grammar fault ends its request (its rows drop out of the layout)."""
+        out, row = [], 0
+        for req in reqs:
+            if req.guided is not None:
+                try:
+                    n = req.guided.fill_masks(req.drafts, self.bitmask, row)
+                except Exception as e:
+                    fault(req, f"grammar failed: {type(e).__name__}: {e}")
+                    continue
+                req.set_drafts(req.drafts[:n], req.draft_q)
+                out.extend(range(row, row + 1 + n))
+            row += 1 + len(req.drafts)
+        return out
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Mask the guided rows of the step's logits in place (before processors, penalties,
+        sampling and acceptance, so nothing can revive a token the grammar refuses)."""
+        if rows:
+            with torch.inference_mode():     # the session's logits are inference tensors
+                apply_masks(logits, self.bitmask[:logits.shape[0]], indices=rows)
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _vocab_future(self) -> "Future[GrammarVocab]":
+        with self._lock:
+            if self._vocab is None:
+                self._builder = ThreadPoolExecutor(1, thread_name_prefix="k3trt-grammar-vocab")
+                self._vocab = self._builder.submit(GrammarVocab, self._tokenizer, vocab_size=self._vocab_size)
+            return self._vocab
+
+    def submit(self, guided: GuidedSpec | CompiledGuide) -> "Future[CompiledGuide]":
+        """The compiled guide as a Future (done at once for a CompiledGuide); it raises GrammarError
+        when xgrammar refuses the spec."""
+        out: Future[CompiledGuide] = Future()
+        if isinstance(guided, CompiledGuide):
+            out.set_result(guided)
+            return out
+
+        def relay(inner: Future) -> None:
+            e = inner.exception()
+            out.set_exception(e) if e is not None else out.set_result(inner.result())
+
+        def on_vocab(vf: Future) -> None:
+            e = vf.exception()
+            if e is not None:
+                out.set_exception(e)
+                return
+            try:
+                self.cache.submit(guided, vf.result()).add_done_callback(relay)
+            except BaseException as e:    # the pool is shut down
+                out.set_exception(e)
+
+        self._vocab_future().add_done_callback(on_vocab)
+        return out
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """int32 [rows, words] on the CPU; filled by GuidedState.fill_masks each step."""
+        if self._bitmask is None:
+            bm = torch.full((self.rows, num_words(self._vocab_size)), -1, dtype=torch.int32)
+            self._bitmask = bm.pin_memory() if torch.cuda.is_available() else bm
+        return self._bitmask
+
+    def close(self) -> None:
+        self.cache.close()
+        if self._builder is not None:
+            self._builder.shutdown(wait=False, cancel_futures=True)
