@@ -35,3 +35,11 @@ def tiny_model(tiny_ckpt):
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
     caplog.set_level(logging.INFO, logger="k3trt")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_ckpt, tmp_path_factory):
+    """The runtime tests' torch engine dir over tiny_ckpt (fp32; see runtime_utils.build_tiny_engine).
+    Tests must not modify it; copy it first."""
+    from runtime_utils import build_tiny_engine
+    return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("engine") / "engine")

@@ -9,20 +9,9 @@ import pytest
 
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from runtime_utils import Oracle, assert_no_leak, build_tiny_engine, one_thread, prompts
+from runtime_utils import Oracle, assert_no_leak, prompts
 
 GREEDY = dict(ignore_eos=True)     # a random model may emit EOS; the oracle does not stop
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt, tmp_path_factory):
-    return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("greedy") / "engine")
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,9 @@ import pytest
 
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from runtime_utils import BLOCK, Oracle, assert_no_leak, build_tiny_engine, one_thread, prompts
+from runtime_utils import BLOCK, Oracle, assert_no_leak, prompts
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt, tmp_path_factory):
-    return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("prefix") / "engine")
 
 
 @pytest.fixture(scope="module")

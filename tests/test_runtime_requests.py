@@ -7,21 +7,14 @@ import pytest
 
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import MAX_STOP_STRINGS, RequestError, SamplingParams
-from runtime_utils import assert_no_leak, build_tiny_engine, one_thread, prompts
+from runtime_utils import assert_no_leak, prompts
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
-def llm(tiny_ckpt, tmp_path_factory):
-    return LLM(build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("requests") / "engine"),
-               verify_checksums=False, max_model_len=64)
+def llm(engine):
+    return LLM(engine, verify_checksums=False, max_model_len=64)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from k3trt.runtime import sampling
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from runtime_utils import assert_no_leak, build_tiny_engine, one_thread, prompts
+from runtime_utils import assert_no_leak, prompts
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0])
 N = 20000
@@ -67,15 +67,9 @@ def test_logprobs_of_the_sampled_and_top_tokens():
     assert set(lps[0]) == {0, 1} and lps[0][0] == pytest.approx(x[0].item())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
-def llm(tiny_ckpt, tmp_path_factory):
-    return LLM(build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("sampling") / "engine"), verify_checksums=False)
+def llm(engine):
+    return LLM(engine, verify_checksums=False)
 
 
 def test_seeded_sampling_is_reproducible(llm):

@@ -21,20 +21,9 @@ from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.speculative import Drafter, Proposal
 from k3trt.testing import assert_close
-from runtime_utils import assert_no_leak, assert_released, build_tiny_engine, one_thread, prompts
+from runtime_utils import assert_no_leak, assert_released, prompts
 
 MAX_TOKENS = 14      # a random MoE model is chaotic: long runs let fp32 rounding (batch shapes) flip tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt, tmp_path_factory):
-    return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("spec") / "engine")
 
 
 @pytest.fixture(scope="module")

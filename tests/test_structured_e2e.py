@@ -25,7 +25,7 @@ from k3trt.runtime.llm import LLM, run  # noqa: E402
 from k3trt.runtime.params import RequestError, SamplingParams  # noqa: E402
 from k3trt.runtime.structured import GrammarCache, GrammarVocab, GuidedSpec, GuidedState  # noqa: E402
 from k3trt.runtime.tokenizer import Tokenizer  # noqa: E402
-from runtime_utils import assert_released, build_tiny_engine, one_thread  # noqa: E402
+from runtime_utils import assert_released  # noqa: E402
 
 
 def obj(required: list[str], **properties) -> dict:
@@ -47,17 +47,6 @@ SCHEMAS = {
 }
 EXAMPLE = '{"name": "ab", "age": 7, "color": "red", "size": 1, "code": "ABC-12"}'   # n-gram drafts from it
 SPECS = ["none", "ngram", "draft"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt, tmp_path_factory):
-    return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("guided") / "engine")
 
 
 @pytest.fixture(scope="module")
