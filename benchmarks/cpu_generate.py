@@ -19,6 +19,7 @@ prompts. The preset's checkpoint and fp32 engine are made once under --workdir (
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import logging
 import os
@@ -89,7 +90,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    results = {"command": "python " + " ".join(sys.argv),
+               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                            "load_average_1m": os.getloadavg()[0]},   # a shared machine's figures vary with it
                "runs": []}
