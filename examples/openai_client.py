@@ -1,7 +1,7 @@
 """Talking to `k3trt serve` with the official `openai` client: chat, streaming (reasoning and content),
-tool calls, and JSON-schema output.
+tool calls, JSON-schema output, and speculative decoding (acceptance on /metrics, a per-request opt-out).
 
-    k3trt serve ENGINE_DIR --port 8000 &              # then:
+    k3trt serve ENGINE_DIR --port 8000 [--speculative mtp --spec-tokens 3] &      # then:
     python examples/openai_client.py --base-url http://127.0.0.1:8000/v1 [--api-key KEY]
 
 Without --base-url it builds the tiny random-weight engine and serves it in this process, so the
@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
@@ -32,7 +33,7 @@ PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blu
 
 
 @contextlib.contextmanager
-def tiny_server(workdir: Path):
+def tiny_server(workdir: Path, speculative: str = "ngram"):
     """Build the tiny engine (once) and serve it on a free loopback port for the duration."""
     import socket
 
@@ -48,7 +49,8 @@ def tiny_server(workdir: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with ServerThread(ServeConfig(engine, port=port, json_max_whitespace=0)) as server:
+    cfg = ServeConfig(engine, port=port, json_max_whitespace=0, engine_options={"speculative": speculative})
+    with ServerThread(cfg) as server:
         yield server.url + "/v1"
 
 
@@ -87,17 +89,29 @@ def demo(client: OpenAI, tiny: bool) -> None:
         max_tokens=64, temperature=0, extra_body=structured)
     print("json_schema:", json.loads(r.choices[0].message.content))
 
+    # 5. speculative decoding (a server started with --speculative): greedy output is the same with
+    # drafts as without; "speculative": false opts one request out; /metrics counts acceptance live
+    kw = dict(model=model, messages=[{"role": "user", "content": "Repeat: la la la la la la"}], max_tokens=32,
+              temperature=0)
+    drafted = client.chat.completions.create(**kw).choices[0].message.content
+    plain = client.chat.completions.create(**kw, extra_body={"speculative": False}).choices[0].message.content
+    print("speculative == plain:", drafted == plain)
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    metrics = urllib.request.urlopen(url, timeout=30).read().decode()
+    print("\n".join(line for line in metrics.splitlines() if line.startswith("k3trt_spec_")))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default=None, help="a running server's /v1 URL (default: serve the tiny engine)")
     ap.add_argument("--api-key", default="unused")
     ap.add_argument("--workdir", type=Path, default=None, help="where to build the tiny engine")
+    ap.add_argument("--speculative", default="ngram", help="the tiny server's drafter: none | ngram | mtp")
     args = ap.parse_args()
     if args.base_url:
         demo(OpenAI(base_url=args.base_url, api_key=args.api_key), tiny=False)
         return
-    with tiny_server(args.workdir or Path(tempfile.mkdtemp(prefix="k3trt-serve-"))) as url:
+    with tiny_server(args.workdir or Path(tempfile.mkdtemp(prefix="k3trt-serve-")), args.speculative) as url:
         demo(OpenAI(base_url=url, api_key=args.api_key), tiny=True)
 
 

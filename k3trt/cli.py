@@ -67,14 +67,23 @@ def _int_list(ctx, param, value: str | None) -> list[int] | None:
 @click.option("--block-size", type=click.IntRange(min=16), default=64, show_default=True)
 @click.option("--target", default=None, help="GPU target for engine backends, e.g. sm90, sm120")
 @click.option("--check-onnx", is_flag=True, help="run every exported graph in onnxruntime against the torch model (fp32)")
+@click.option("--force", is_flag=True,
+              help="rebuild every capacity even if OUTPUT holds engines built from the same inputs")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="worker processes building capacities in parallel (engine backends; each loads the model)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target, check_onnx) -> None:
-    """Compile CHECKPOINT into an engine directory."""
+              block_size, target, check_onnx, force, workers) -> None:
+    """Compile CHECKPOINT into an engine directory.
+
+    OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
+    capacities built from the same inputs (checkpoint, code, options, backend and target) are
+    reused rather than rebuilt, unless --force."""
     from k3trt.builder.build import build_engine
     try:
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
-                            dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx)
+                            dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx,
+                            force=force, workers=workers)
     except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))
@@ -121,12 +130,45 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="choices queued beyond the live batch before 429")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None)
-def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch) -> None:
+@click.option("--speculative", default="none", show_default=True,
+              help="none | ngram | draft:DIR | mtp (a request opts out with \"speculative\": false)")
+@click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch, speculative,
+              spec_tokens) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
     from k3trt.serve import serve_main
     opts = {"max_batch": max_batch} if max_batch else {}
-    serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
-               max_queue=max_queue, engine_options=opts)
+    if speculative != "none":
+        opts["speculative"] = speculative
+    if spec_tokens is not None:
+        opts["spec_tokens"] = spec_tokens
+    try:
+        serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
+                   max_queue=max_queue, engine_options=opts)
+    except (ValueError, NotImplementedError) as e:     # engine options the engine dir cannot run
+        raise click.ClickException(str(e)) from None
+
+
+@main.command("triton-repo")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), required=True, help="model repository to write")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="model instances (each its own process with its own engine and cache)")
+@click.option("--max-batch", type=click.IntRange(min=1), default=None, help="live requests per instance")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--python-env", "execution_env", type=click.Path(file_okay=False), default=None,
+              help="environment for Triton's Python stub (EXECUTION_ENV_PATH); see README")
+@click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp")
+def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, speculative) -> None:
+    """Write a Triton Inference Server model repository serving ENGINE_DIR."""
+    from k3trt.triton import triton_repo_main
+    opts = {"engine_options": {"speculative": speculative}} if speculative else {}
+    try:
+        path = triton_repo_main(engine_dir, output, instances, max_batch, device=device,
+                                execution_env=execution_env, **opts)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(path.parent))
 
 
 if __name__ == "__main__":

@@ -97,8 +97,14 @@ def test_refuses_non_engine_dirs(tmp_path, tiny_ckpt):
 
 
 def test_build_refusals(tiny_ckpt, engine, tmp_path):
-    with pytest.raises(FileExistsError):
-        build_tiny_engine(tiny_ckpt, engine)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an engine directory"):
+        build_tiny_engine(tiny_ckpt, occupied)          # an engine dir may be rebuilt; anything else is kept
+    assert (occupied / "notes.txt").read_text() == "mine"
+    occupied.joinpath("notes.txt").unlink()
+    occupied.rmdir()
     with pytest.raises(ValueError, match="kv_dtype"):
         build_tiny_engine(tiny_ckpt, tmp_path / "a", kv_dtype="bf16")          # with dtype fp32
     with pytest.raises(ValueError, match="max_num_tokens"):

@@ -60,7 +60,7 @@ def test_graphs_hold_one_k3trt_node_per_op_call(exported):
 def test_weights_are_stored_once_for_all_graphs(exported, tiny_model):
     _, model = tiny_model
     _, _, rank, _ = exported
-    assert sorted(p.name for p in rank.iterdir() if not p.name.endswith(".onnx")) == ["weights.bin"]
+    assert sorted(p.name for p in rank.iterdir() if not p.name.endswith(".onnx")) == ["weights.bin", "weights.json"]
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     size = (rank / "weights.bin").stat().st_size
     assert 0.9 * params < size < 1.1 * params          # once, not once per graph

@@ -99,23 +99,31 @@ TURN = ('hmm<|close|>think<|sep|><|open|>response<|sep|>Hi{ph} there<|close|>res
         '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
 
 
+@pytest.mark.parametrize("step", [1, 4])
 @pytest.mark.parametrize("stops", [(), ("there",)])
-def test_choice_stream_reads_xtml_token_by_token(tiny_ckpt, stops):
-    """Markers kept, other special tokens (a placeholder) dropped, a stop string cuts and ends."""
+def test_choice_stream_reads_xtml_token_by_token(tiny_ckpt, stops, step):
+    """Markers kept, other special tokens (a placeholder) dropped, a stop string cuts and ends. With
+    several tokens an update (a speculative step's accepted drafts), the choice still ends at the
+    token that completes the stop string: the tokens after it are not counted."""
     from k3trt.runtime.request import RequestOutput
     from k3trt.runtime.tokenizer import Tokenizer
     from k3trt.serve.output import ChoiceStream
     tok = Tokenizer.from_dir(tiny_ckpt)
     ids = tok.encode(TURN.format(ph="<｜place▁holder▁no▁7｜>"), allow_special=True)
-    cs, deltas = ChoiceStream(0, tok, stops, thinking=True), []
-    for n in range(1, len(ids) + 1):
-        upd = cs.update(RequestOutput("r", 0, [], "", ids[:n], n == len(ids), "stop" if n == len(ids) else None))
+    cs, deltas, lps = ChoiceStream(0, tok, stops, thinking=True), [], []
+    for n in [*range(step, len(ids), step), len(ids)]:
+        fake_lps = [{t: -1.0} for t in ids[:n]]
+        upd = cs.update(RequestOutput("r", 0, [], "", ids[:n], n == len(ids), "stop" if n == len(ids) else None,
+                                      logprobs=fake_lps))
         deltas += upd.deltas
+        lps += upd.logprobs
         if upd.finished:
             break
     text = "".join(d.text for d in deltas if d.kind.value in ("reasoning", "content"))
+    assert [t for t, _ in lps] == cs.token_ids == ids[:len(cs.token_ids)]
     if stops:
         assert (cs.final_reason(), text, cs.tool_calls) == ("stop", "hmmHi ", [])
+        assert tok.decode(cs.token_ids[:-1]).count("there") == 0 and "there" in tok.decode(cs.token_ids)
     else:
         msg = cs.message({})
         assert (msg["reasoning_content"], msg["content"], cs.final_reason()) == ("hmm", "Hi there", "tool_calls")
@@ -247,6 +255,7 @@ BAD = [  # (request overrides, status, param)
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, "tools[0].function.name"),
     ({"stop": [""]}, 400, "stop"),
+    ({"speculative": "no"}, 400, "speculative"),
     ({"n": 0}, 400, "n"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      400, "response_format.json_schema"),
@@ -418,3 +427,171 @@ def test_engine_fault_fails_requests_in_flight_and_the_loop_goes_on():
         finally:
             await asyncio.to_thread(loop.stop)
     asyncio.run(main())
+
+
+# ---- speculative decoding -----------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["ngram", "mtp"])
+def spec_server(request, engine_dir):
+    cfg = ServeConfig(engine_dir, port=_free_port(), model_name="tiny", json_max_whitespace=0,
+                      engine_options={"verify_checksums": False, "speculative": request.param, "spec_tokens": 3})
+    with one_thread(), ServerThread(cfg) as s:
+        yield s
+
+
+def _clients(*servers):
+    return [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60) for s in servers]
+
+
+def _answer(r) -> tuple:
+    """What a response says, ids and timestamps aside."""
+    if r.object == "text_completion":
+        return ([(c.text, c.finish_reason, c.logprobs and c.logprobs.tokens) for c in r.choices],
+                r.usage.completion_tokens)
+    return [(c.message.content, getattr(c.message, "reasoning_content", None), c.finish_reason,
+             [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []],
+             c.logprobs and [t.token for t in c.logprobs.content]) for c in r.choices], r.usage.completion_tokens
+
+
+def _spec_counters(server_or_metrics) -> dict[str, float]:
+    m = server_or_metrics if isinstance(server_or_metrics, dict) else metrics(server_or_metrics)
+    return {k: v for k, v in m.items() if k.startswith("k3trt_spec_")}
+
+
+def test_speculative_greedy_equals_plain(server, spec_server):
+    """Greedy output is the same token for token with drafts as without: chat (thinking on and off,
+    whole and streamed), completions (n, logprobs, a repetitive biased prompt the n-gram drafter
+    predicts), stop strings (usage stops at the token that completes one)."""
+    plain, spec = _clients(server, spec_server)
+    text = plain.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16, temperature=0,
+                                         extra_body=NO_THINK).choices[0].message.content
+    stop = next(text[i:i + 3] for i in range(6, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    asks = [("chat", dict(messages=HELLO, max_tokens=16)),
+            ("chat", dict(messages=HELLO, max_tokens=16, extra_body=NO_THINK)),
+            ("chat", dict(messages=HELLO, max_tokens=16, extra_body=NO_THINK, stop=[stop], logprobs=True)),
+            ("chat", dict(messages=HELLO, max_tokens=16, extra_body={**NO_THINK, "speculative": False})),
+            ("completions", dict(prompt=[5, 6, 7, 8] * 4, max_tokens=12, n=2, logprobs=2)),
+            ("completions", dict(prompt="a b c", max_tokens=20, logit_bias={"100": 100}))]
+    got = []
+    for kind, kw in asks:
+        create = (lambda c: c.chat.completions.create) if kind == "chat" else (lambda c: c.completions.create)
+        want = _answer(create(plain)(model="tiny", temperature=0, **kw))
+        got.append(_answer(create(spec)(model="tiny", temperature=0, **kw)))
+        assert got[-1] == want, kw
+    assert got[2][0][0][2] == "stop" and got[2][1] < 16            # the stop string ended it early
+    streamed = collect(spec.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+    whole = plain.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16, temperature=0)
+    assert (streamed["reasoning"], streamed["content"], streamed["usage"].completion_tokens) == (
+        whole.choices[0].message.reasoning_content or "", whole.choices[0].message.content or "", 16)
+    assert _spec_counters(spec_server)["k3trt_spec_draft_tokens_total"] > 0
+    wait_idle(spec_server)
+
+
+@pytest.mark.parametrize("spec_server", ["ngram"], indirect=True)     # one drafter: each server compiles anew
+def test_speculative_structured_output(server, spec_server):
+    """Grammars under speculation: drafts are masked and cut by the runtime; json_schema validates,
+    tool_choice required / named parse, and both equal the output without drafts."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    plain, spec = _clients(server, spec_server)
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["color", "n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    ask = [{"role": "user", "content": "JSON please"}]
+    r = spec.chat.completions.create(model="tiny", messages=ask, max_tokens=60, temperature=0, extra_body=NO_THINK,
+                                     response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert _answer(r) == _answer(plain.chat.completions.create(model="tiny", messages=ask, max_tokens=60,
+                                                              temperature=0, extra_body=NO_THINK, response_format=fmt))
+    # thinking on: the grammar starts after the reasoning (after_reasoning matches the prompt)
+    kw = dict(model="tiny", messages=ask, max_tokens=12, temperature=0, response_format=fmt)
+    on = spec.chat.completions.create(**kw)
+    assert on.choices[0].finish_reason == "length" and _answer(on) == _answer(plain.chat.completions.create(**kw))
+    c = spec.completions.create(model="tiny", prompt="JSON:", max_tokens=40, temperature=0,
+                                extra_body={"response_format": {"type": "json_object"}})
+    assert c.choices[0].finish_reason == "stop" and isinstance(json.loads(c.choices[0].text), dict)
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=200,
+                  temperature=0, tools=WEATHER, tool_choice=choice, logit_bias={CLOSE_ID: 50}, extra_body=NO_THINK)
+        r = spec.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls
+        for call in calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER[0]["function"]["parameters"])
+        assert _answer(r) == _answer(plain.chat.completions.create(**kw))
+    wait_idle(spec_server)
+
+
+def test_speculative_metrics_opt_out_and_cancel(server, spec_server):
+    """/metrics counts drafts live (not when requests finish); `speculative: false` drafts nothing;
+    concurrent and cancelled speculative requests free every block."""
+    (spec,) = _clients(spec_server)
+    method = spec_server.state.llm.stats()["speculative"]["method"]
+    plain_m = metrics(server)
+    assert plain_m['k3trt_spec_tokens{method="none"}'] == 0 and plain_m["k3trt_spec_draft_tokens_total"] == 0
+    m0 = _spec_counters(wait_idle(spec_server))
+    assert m0[f'k3trt_spec_tokens{{method="{method}"}}'] == 3
+    spec.completions.create(model="tiny", prompt="a b c", max_tokens=20, temperature=0, logit_bias={"100": 100},
+                            extra_body={"speculative": False})
+    assert _spec_counters(spec_server) == m0                      # opted out: not one draft
+
+    # a long repetitive request, read while it runs: the counters move before it finishes
+    stream = spec.completions.create(model="tiny", prompt="a b c", max_tokens=3000, temperature=0, stream=True,
+                                     logit_bias={"100": 100}, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    deadline = time.monotonic() + 20
+    while (m1 := _spec_counters(spec_server))["k3trt_spec_draft_tokens_total"] <= m0["k3trt_spec_draft_tokens_total"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for _ in range(8):
+        next(chunks)
+    stream.close()                                                # cancelled mid-generation
+    m2 = _spec_counters(wait_idle(spec_server))
+    steps = m2["k3trt_spec_verify_steps_total"]
+    assert steps >= m1["k3trt_spec_verify_steps_total"] > m0["k3trt_spec_verify_steps_total"]
+    assert sum(v for k, v in m2.items() if k.startswith("k3trt_spec_accepted_drafts_total")) == steps
+    assert m2["k3trt_spec_mean_accepted_length"] == pytest.approx(1 + m2["k3trt_spec_accepted_tokens_total"] / steps)
+    assert m2["k3trt_spec_acceptance_rate"] == pytest.approx(
+        m2["k3trt_spec_accepted_tokens_total"] / m2["k3trt_spec_draft_tokens_total"])
+    if method == "ngram":          # the biased output repeats one token: the n-gram drafts are right
+        assert m2["k3trt_spec_accepted_tokens_total"] > m0["k3trt_spec_accepted_tokens_total"]
+        assert m2["k3trt_spec_mean_accepted_length"] > 1 and m2["k3trt_spec_acceptance_rate"] > 0
+
+    async def many():
+        c = openai.AsyncOpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(i):
+            finish = None
+            stream = await c.chat.completions.create(
+                model="tiny", max_tokens=8, temperature=0.8 if i % 3 else 0, seed=i, stream=True,
+                messages=[{"role": "user", "content": f"Request {i}"}],
+                extra_body={**NO_THINK, "speculative": i % 4 != 0})
+            async for chunk in stream:
+                finish = chunk.choices[0].finish_reason or finish
+            return finish
+        try:
+            return await asyncio.gather(*(one(i) for i in range(16)))
+        finally:
+            await c.close()
+    assert set(asyncio.run(many())) <= {"length", "stop", "tool_calls"}
+    wait_idle(spec_server)
+
+
+def test_serve_cli_passes_speculation(engine_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    import k3trt.serve
+    from k3trt.cli import main
+    seen = {}
+    monkeypatch.setattr(k3trt.serve, "serve_main", lambda *a, **kw: seen.update(args=a, **kw))
+    r = CliRunner().invoke(main, ["serve", str(engine_dir), "--speculative", "mtp", "--spec-tokens", "2",
+                                  "--max-batch", "2"])
+    assert r.exit_code == 0, r.output
+    assert seen["engine_options"] == {"max_batch": 2, "speculative": "mtp", "spec_tokens": 2}
+    r = CliRunner().invoke(main, ["serve", str(engine_dir)])
+    assert r.exit_code == 0 and seen["engine_options"] == {}

@@ -379,11 +379,12 @@ def test_padding_and_apply_masks(tok, vocab, cache):
     assert not allowed[real:].any() and not allowed[vocab.open_id] and allowed[vocab.eos_id]
     assert not allowed[list(vocab.special_ids - {vocab.eos_id})].any()
     assert torch.equal(pack(allowed), bm[1])
-    # torch (CPU) == xgrammar's CPU kernel; logits wider than the mask; only some rows
+    # torch path (float64 logits: xgrammar's CPU kernel takes fp32/bf16/fp16 only, so apply_masks
+    # unpacks with torch) == xgrammar's CPU kernel; logits wider than the mask; only some rows
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2 ** 31), 2 ** 31 - 1, (3, vocab.num_words), generator=g, dtype=torch.int32)
     logits = torch.randn(3, V, generator=g)
-    ours, theirs = apply_masks(logits.clone(), bits), logits.clone()
+    ours, theirs = apply_masks(logits.double(), bits).float(), logits.clone()
     xgr.apply_token_bitmask_inplace(theirs, bits, backend="cpu")
     assert torch.equal(ours, theirs)
     wide = apply_masks(torch.randn(3, V + 40, generator=g), bits, indices=[0, 2])

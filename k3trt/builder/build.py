@@ -5,22 +5,36 @@ torch            the "engine" is the checkpoint itself (config + safetensors sha
                  strict loader (k3trt.model.loader), plus the build options and capacity plan.
 tensorrt(-rtx)   rank0/ holds one ONNX graph and one engine per capacity and the shared weights
                  (builder/tensorrt.py); every check that can fail runs before the long work.
+
+Rebuilding into an existing engine dir (engine backends): each capacity's files carry a content
+key (tensorrt.capacity_key) over everything they are made from: the checkpoint's weight files
+(sha256 each; a file whose size and mtime equal the previous build's record is not hashed
+again), the k3trt version and a digest of the code that shapes the graphs (CODE_PACKAGES),
+the torch/onnx/onnxscript versions, the graph (capacity, rows, block size, table width,
+dtypes, kv scale: the build options that matter to it), the backend, its version and target.
+Capacities whose key is unchanged and whose files are intact are hard-linked from the previous
+dir, the others built; ``force`` rebuilds everything. ``workers`` > 1 builds capacities in
+spawned worker processes (tensorrt.build_rank). The new dir replaces the old one only once
+complete (engine_dir.write_engine_dir).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+import k3trt
 from k3trt.builder.capacities import Capacities
-from k3trt.builder.engine_dir import DTYPES, BuildConfig, write_engine_dir
-from k3trt.config import ModelConfig
+from k3trt.builder.engine_dir import (DTYPES, BuildConfig, EngineDir, EngineDirError, check_output, is_engine_dir,
+                                      read_engine_dir, sha256_file, write_engine_dir)
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -30,6 +44,8 @@ BACKENDS = ("torch", "tensorrt", "tensorrt-rtx")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json",
                    "special_tokens_map.json")
 WEIGHT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json")
+# the parts of k3trt whose code shapes an exported graph or engine (their digest is in every content key)
+CODE_PACKAGES = ("__init__.py", "config.py", "builder", "model", "plugins")
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
@@ -44,28 +60,38 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
 def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "torch",
                  capacities: Sequence[int] | None = None, max_num_tokens: int = 8192, spec_tokens: int = 3,
                  kv_dtype: str = "auto", dtype: str | torch.dtype = "bf16", block_size: int = 64,
-                 max_seq_len: int | None = None, target: str | None = None, check_onnx: bool = False) -> Path:
+                 max_seq_len: int | None = None, target: str | None = None, check_onnx: bool = False,
+                 force: bool = False, workers: int = 1) -> Path:
     """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
     the largest being the live-request limit); prefill token capacities are the powers of two up
-    to max_num_tokens (builder/capacities.py)."""
+    to max_num_tokens (builder/capacities.py). `output` may be an existing engine dir: it is
+    replaced once the new one is complete, reusing unchanged capacities' engines unless `force`
+    (module doc). `workers`: processes building capacities in parallel (engine backends)."""
     checkpoint, output = Path(checkpoint), Path(output)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     if backend == "auto":
         from k3trt.builder.tensorrt import installed_backends
         backend = "tensorrt" if "tensorrt" in installed_backends() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
-    cfg = ModelConfig.from_json(checkpoint)
+    from k3trt.builder.tensorrt import check_checkpoint
+    cfg = check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
                         max_num_tokens=max_num_tokens,
                         max_seq_len=min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
     caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
                            verify=capacities or None)
+    check_output(output)
     if backend != "torch":
         return _build_trt(checkpoint, output, backend=backend, target=target, model_raw=model_raw,
-                          build=build, caps=caps, check_onnx=check_onnx)
+                          build=build, caps=caps, check_onnx=check_onnx, force=force, workers=workers)
+    if workers > 1:
+        log.info("--workers applies to engine backends; the torch backend links the checkpoint")
     with CheckpointReader(checkpoint) as reader:     # headers and index only: cheap, catches broken shards
         weights = set(reader.shards)
+    _check_link_disk(checkpoint, output)
     log.info("building torch engine from %s: %d weight files, verify capacities %s, prefill capacities %s",
              checkpoint, len(weights), list(caps.verify), list(caps.prefill))
 
@@ -82,6 +108,16 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                             capacities=caps, populate=populate)
 
 
+def _check_link_disk(checkpoint: Path, output: Path) -> None:
+    """The torch backend hard-links the checkpoint; across filesystems it copies, and needs room."""
+    from k3trt.builder.tensorrt import check_disk
+
+    probe = next((p for p in [output, *output.parents] if p.exists()), Path("."))
+    if probe.stat().st_dev != checkpoint.stat().st_dev:
+        size = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+        check_disk(output, int(size * 1.05))
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
@@ -91,31 +127,118 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | None, model_raw: dict,
-               build: BuildConfig, caps: Capacities, check_onnx: bool) -> Path:
+               build: BuildConfig, caps: Capacities, check_onnx: bool, force: bool, workers: int) -> Path:
     """One ONNX graph + engine per capacity under rank0/ (see builder/tensorrt.py)."""
     from k3trt.builder import tensorrt as trt
-    from k3trt.model.loader import load_model
 
+    t_start = time.perf_counter()
     cfg = trt.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype)
     if check_onnx and build.dtype != "fp32":
         raise ValueError("--check-onnx compares with onnxruntime in fp32: build with --dtype fp32")
     target = trt.check_target(backend, target)
-    reports = []
+    reports: list = []
+    inputs: dict[str, Any] = {}
 
-    def populate(tmp: Path) -> None:
-        _, model = load_model(checkpoint, dtype=build.torch_dtype)
-        reports.extend(trt.build_rank(model, cfg, caps, tmp / "rank0", backend=backend, block_size=build.block_size,
-                                      max_seq_len=build.max_seq_len, kv_dtype=build.kv_torch_dtype,
-                                      kv_scale=build.kv_scale, check=check_onnx,
-                                      options=trt.BuildOptions(target=target)))
+    def populate(tmp: Path) -> dict[str, str]:
+        previous = _previous(output, force, backend, target)          # read under the build lock
+        files = checkpoint_files(checkpoint, (previous.inputs.get("checkpoint_files") if previous else None) or {})
+        code = code_digest()
+        digest = inputs_digest(files, code)
+        inputs.update(digest=digest, checkpoint_files=files, k3trt_version=k3trt.__version__, code_digest=code)
+        prev = None
+        if previous is not None:
+            prev = trt.Previous(previous.rank_dir, {k[len("rank0/"):]: v for k, v in previous.files.items()
+                                                    if k.startswith("rank0/")})
+        known: dict[str, str] = {}
+        reports.extend(trt.build_rank(
+            trt.ModelSource(checkpoint, build.torch_dtype), cfg, caps, tmp / "rank0", backend=backend,
+            block_size=build.block_size, max_seq_len=build.max_seq_len, kv_dtype=build.kv_torch_dtype,
+            kv_scale=build.kv_scale, check=check_onnx, options=trt.BuildOptions(target=target), workers=workers,
+            inputs_digest=digest, previous=prev, force=force, known_digests=known))
+        inputs["capacities"] = {r.name: json.loads(Path(f"{r.engine}.json").read_text()).get("key") for r in reports}
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
                 _link_or_copy(checkpoint / name, tmp / "tokenizer" / name)
+        return {f"rank0/{k}": v for k, v in known.items()}
 
     path = write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
-                            capacities=caps, populate=populate)
-    rows = [f"{'engine':<16}{'MiB':>9}{'seconds':>9}"] + [
-        f"{r.name:<16}{r.bytes / 2**20:>9.1f}{r.seconds:>9.1f}" for r in reports]
-    log.info("built %d %s engines (target %s):\n%s", len(reports), backend, target, "\n".join(rows))
+                            capacities=caps, populate=populate, inputs=inputs)
+    log.info("%s", summary_table(reports, backend, target, time.perf_counter() - t_start))
     return path
+
+
+def summary_table(reports, backend: str, target: str | None, seconds: float) -> str:
+    """The end-of-build table: capacity, file, size, seconds (export, engine), built or reused."""
+    rows = [f"{'capacity':<14}{'file':<22}{'MiB':>8}{'export s':>10}{'engine s':>10}  status"]
+    for r in reports:
+        kind, cap = ("verify", f"B={r.name[8:]}") if r.name.startswith("verify_b") else ("prefill", f"T={r.name[9:]}")
+        rows.append(f"{kind + ' ' + cap:<14}{r.engine.name:<22}{r.bytes / 2**20:>8.1f}{r.export_seconds:>10.1f}"
+                    f"{r.seconds:>10.1f}  {'reused' if r.reused else 'built'}")
+    built = sum(not r.reused for r in reports)
+    rows.append(f"{'total':<36}{sum(r.bytes for r in reports) / 2**20:>8.1f}"
+                f"{sum(r.export_seconds for r in reports):>10.1f}{sum(r.seconds for r in reports):>10.1f}  "
+                f"{built} built, {len(reports) - built} reused; {seconds:.1f}s in all")
+    return f"{len(reports)} {backend} engines (target {target}):\n" + "\n".join(rows)
+
+
+def _previous(output: Path, force: bool, backend: str, target: str | None) -> EngineDir | None:
+    """The engine dir being rebuilt, if it is one this k3trt reads (checksums are checked later,
+    for the files a rebuild reuses)."""
+    if not is_engine_dir(output):
+        return None
+    try:
+        ed = read_engine_dir(output, verify_checksums=False)
+    except EngineDirError as e:
+        log.warning("%s will be replaced and nothing in it reused: %s", output, e)
+        return None
+    if force:
+        log.info("--force: rebuilding every capacity of %s", output)
+        return None
+    if ed.backend != backend or ed.target != target:
+        log.info("%s was built for %s (target %s): nothing in it is reused", output, ed.backend, ed.target)
+        return None
+    return ed
+
+
+def checkpoint_files(checkpoint: Path, recorded: dict[str, dict]) -> dict[str, dict]:
+    """{file: {size, mtime_ns, sha256}} of the checkpoint's config and weight files. A file whose
+    size and mtime equal its `recorded` entry (the previous build's) keeps that sha256 without
+    being read again: hashing a K3 checkpoint takes minutes."""
+    out, trusted = {}, []
+    names = sorted(f.name for f in checkpoint.iterdir()
+                   if f.is_file() and (f.name in WEIGHT_FILES or f.name.endswith(".safetensors")))
+    for name in names:
+        st = (checkpoint / name).stat()
+        rec = recorded.get(name) or {}
+        if rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns and rec.get("sha256"):
+            out[name] = dict(rec)
+            trusted.append(name)
+            continue
+        log.info("hashing checkpoint file %s (%.1f MiB)", name, st.st_size / 2**20)
+        out[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(checkpoint / name)}
+    if trusted:
+        log.info("%d checkpoint files unchanged since the previous build (size and mtime): not hashed again; "
+                 "--force hashes them", len(trusted))
+    return out
+
+
+def code_digest() -> str:
+    """sha256 over the source of the k3trt parts that shape graphs and engines (CODE_PACKAGES)."""
+    root = Path(k3trt.__file__).parent
+    h = hashlib.sha256()
+    for part in CODE_PACKAGES:
+        base = root / part
+        for f in sorted([base] if base.is_file() else base.rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def inputs_digest(files: dict[str, dict], code: str) -> str:
+    """One digest of everything a build reads besides its own options: checkpoint, code, versions."""
+    import onnx
+    import onnxscript
+
+    doc = {"checkpoint": {k: v["sha256"] for k, v in files.items()}, "k3trt": k3trt.__version__, "code": code,
+           "torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -7,9 +7,18 @@
     ENGINE_DIR/rank0/        backend files (torch: the checkpoint's config + safetensors shards)
     ENGINE_DIR/tokenizer/    tokenizer files + chat template (optional)
 
-A directory is written under a temporary name beside the target and renamed into place, so a
-crashed build never leaves something that looks finished. Reading checks the format version, the
-backend and every listed file's checksum, and refuses with a message that says what to do.
+A directory is written under a temporary name beside the target (``.NAME.tmp-*``) and renamed
+into place, so a crashed or killed build never leaves something that looks finished: the target
+either does not exist, or is the previous complete engine dir. Rebuilding into an existing engine
+dir renames the old one aside (``.NAME.old-*``) only once the new one is complete. A lock file
+(``.NAME.lock``, flock) is held for the whole write: a second build into the same target is
+refused, and leftovers of a killed build (``.NAME.tmp-*``, ``.NAME.old-*``) are removed, with a
+warning, by the next build into that target. Reading checks the format version, the backend and
+every listed file's checksum, and refuses with a message that says what to do.
+
+``inputs`` (optional) records what the files were built from (builder/build.py: checkpoint file
+hashes, k3trt version and code digest, one content key per capacity), so that a rebuild can
+reuse the files of unchanged capacities.
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ import dataclasses
 import hashlib
 import json
 import logging
+import contextlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -43,6 +54,10 @@ _REBUILD = "rebuild it with `k3trt build CHECKPOINT --output DIR`"
 
 class EngineDirError(ValueError):
     """An engine directory this runtime cannot use; the message says what to do."""
+
+
+class EngineDirBusy(RuntimeError):
+    """Another build is writing the same engine directory."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ class EngineDir:
     capacities: Capacities
     files: dict[str, str]
     k3trt_version: str
+    inputs: dict[str, Any] = field(default_factory=dict)   # what the build was made from (see module doc)
 
     @property
     def rank_dir(self) -> Path:
@@ -108,37 +124,139 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def temp_prefix(output: Path) -> str:
+    return f".{output.name}.tmp-"
+
+
+def old_prefix(output: Path) -> str:
+    return f".{output.name}.old-"
+
+
+@contextlib.contextmanager
+def build_lock(output: str | Path) -> Iterator[Path]:
+    """Hold ``.NAME.lock`` beside `output` (an exclusive flock, released by the kernel when the
+    process dies, even by SIGKILL), refusing if another build holds it; the file is removed on
+    exit. Inside, leftovers of interrupted builds into `output` are removed."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    path = output.parent / f".{output.name}.lock"
+    try:
+        import fcntl
+    except ImportError:            # not POSIX: no lock, no cleanup of leftovers (they are ignored)
+        yield path
+        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise EngineDirBusy(f"another k3trt build (pid {owner}) is writing {output}; wait for it to finish, "
+                                f"or stop it (a killed build leaves nothing that loads)") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)               # its previous holder removed it between our open and flock: again
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        remove_stale(output)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def remove_stale(output: Path) -> list[Path]:
+    """Remove ``.NAME.tmp-*`` / ``.NAME.old-*`` beside `output` (call with the build lock held:
+    then no live build owns them). Returns what was removed."""
+    removed = []
+    if not output.parent.is_dir():
+        return removed
+    for p in sorted(output.parent.iterdir()):
+        if p.name.startswith((temp_prefix(output), old_prefix(output))) and p.is_dir() and not p.is_symlink():
+            log.warning("removing %s: left behind by an interrupted build into %s", p, output)
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def is_engine_dir(path: Path) -> bool:
+    return (path / CONFIG_NAME).is_file()
+
+
 def write_engine_dir(output: str | Path, *, backend: str, target: str | None, model_raw: dict[str, Any],
-                     build: BuildConfig, capacities: Capacities, populate: Callable[[Path], None]) -> Path:
-    """`populate(tmp)` puts the backend and tokenizer files under tmp; then every file is hashed,
-    config.json written, and tmp renamed to `output` (which must not exist or be empty)."""
+                     build: BuildConfig, capacities: Capacities, populate: Callable[[Path], Any],
+                     inputs: dict[str, Any] | None = None) -> Path:
+    """`populate(tmp)` puts the backend and tokenizer files under tmp (and may return
+    {relative path: sha256} of files it already verified, which are not hashed again); then every
+    file is hashed, config.json written, and tmp renamed to `output`. `output` must not exist, be
+    empty, or be an engine dir (which is replaced once the new one is complete; `populate` may
+    read it until then). `inputs` is written into config.json after populate ran (populate may
+    fill it in)."""
     output = Path(output)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {BACKENDS}")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise FileExistsError(f"{output} exists and is not empty; choose a new --output directory")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
-        populate(tmp)
-        files = {}
-        for p in sorted(q for q in tmp.rglob("*") if q.is_file()):
-            rel = p.relative_to(tmp).as_posix()
-            log.info("hashing %s (%.1f MiB)", rel, p.stat().st_size / 2**20)
-            files[rel] = sha256_file(p)
-        config = {"format_version": FORMAT_VERSION, "k3trt_version": k3trt.__version__, "backend": backend,
-                  "target": target, "model": model_raw, "build": dataclasses.asdict(build),
-                  "capacities": capacities.to_dict(),
-                  "files": files}
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if output.exists():
-            output.rmdir()
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    check_output(output)
+    with build_lock(output):
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(output), dir=output.parent))
+        try:
+            known = populate(tmp) or {}
+            files = {}
+            for p in sorted(q for q in tmp.rglob("*") if q.is_file()):
+                rel = p.relative_to(tmp).as_posix()
+                if rel in known:
+                    files[rel] = known[rel]
+                    continue
+                log.info("hashing %s (%.1f MiB)", rel, p.stat().st_size / 2**20)
+                files[rel] = sha256_file(p)
+            config = {"format_version": FORMAT_VERSION, "k3trt_version": k3trt.__version__, "backend": backend,
+                      "target": target, "model": model_raw, "build": dataclasses.asdict(build),
+                      "capacities": capacities.to_dict(),
+                      "files": files}
+            if inputs:
+                config["inputs"] = inputs
+            (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            _replace(tmp, output)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     log.info("engine dir written: %s (%s backend, %d files)", output, backend, len(files))
     return output
+
+
+def check_output(output: Path) -> None:
+    """Refuse an `output` a build must not replace: a file, or a non-empty directory that is not
+    an engine dir."""
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"{output} exists and is not a directory; choose a new --output directory")
+    if output.is_dir() and any(output.iterdir()) and not is_engine_dir(output):
+        raise FileExistsError(f"{output} exists, is not empty and is not an engine directory; "
+                              "choose a new --output directory")
+
+
+def _replace(tmp: Path, output: Path) -> None:
+    """Rename the complete `tmp` to `output`. An existing engine dir is first renamed aside and
+    removed after: a kill in between leaves no `output` and two complete dirs, which the next
+    build removes (remove_stale); never a partial `output`."""
+    if not output.exists():
+        os.replace(tmp, output)
+        return
+    if not any(output.iterdir()):
+        output.rmdir()
+        os.replace(tmp, output)
+        return
+    check_output(output)           # still an engine dir: never move anything else aside
+    old = output.parent / f"{old_prefix(output)}{os.getpid()}-{time.time_ns()}"
+    os.rename(output, old)
+    os.rename(tmp, output)
+    log.info("replaced the previous engine dir %s", output)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_checksums: bool = True) -> EngineDir:
@@ -160,6 +278,8 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
     if got not in BACKENDS:
         raise EngineDirError(f"{path}: unknown backend {got!r}; {_REBUILD}")
     if backend is not None and got != backend:
+        if backend == "torch" and got in ("tensorrt", "tensorrt-rtx"):
+            raise EngineDirError(_trt_refusal(path, got, raw.get("target")))
         raise EngineDirError(f"{path} was built for the {got!r} backend but this runtime runs {backend!r}: "
                              f"rebuild it with `k3trt build CHECKPOINT --output DIR --backend {backend}`")
     try:
@@ -167,7 +287,8 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
                        model=ModelConfig.from_dict(raw["model"]), model_raw=raw["model"],
                        build=BuildConfig(**raw["build"]),
                        capacities=Capacities.from_dict(raw["capacities"]),
-                       files=dict(raw["files"]), k3trt_version=raw.get("k3trt_version", "?"))
+                       files=dict(raw["files"]), k3trt_version=raw.get("k3trt_version", "?"),
+                       inputs=dict(raw.get("inputs") or {}))
     except (KeyError, TypeError, ValueError) as e:
         raise EngineDirError(f"{cfg_path} is malformed ({type(e).__name__}: {e}); {_REBUILD}") from None
     for rel, digest in ed.files.items():
@@ -181,3 +302,18 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
                 raise EngineDirError(f"{path}: checksum of {rel} does not match {CONFIG_NAME} (the file was "
                                      f"modified or corrupted); copy it again or {_REBUILD}")
     return ed
+
+
+def _trt_refusal(path: Path, backend: str, target: str | None) -> str:
+    """Why a torch runtime (LLM, `k3trt run`, `k3trt serve`) refuses a TensorRT engine dir: whether
+    this machine could run it at all, and what to build instead."""
+    from k3trt.builder.tensorrt import runnable_here
+
+    what = f"{path} was built for the {backend!r} backend (target {target or '?'})"
+    fix = ("LLM, `k3trt run` and `k3trt serve` run torch engine dirs: build one with "
+           "`k3trt build CHECKPOINT --output DIR --backend torch`")
+    reason = runnable_here(backend, target)
+    if reason is not None:
+        return f"{what}, and this machine cannot run it: {reason}. {fix}"
+    return (f"{what}; this machine could run it, but the TensorRT session (k3trt.runtime.trt_session) is not "
+            f"wired into the runtime yet. {fix}")

@@ -337,16 +337,22 @@ def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str 
     log.info("export %s: traced in %.1fs; translating to ONNX", spec.name, time.perf_counter() - t0)
     # onnx_ir warns once per k3trt node output that it has no value_info type (the schemas carry no
     # inference function); harmless, and hundreds of lines on a real model
-    serde_log = logging.getLogger("onnx_ir.serde")
-    level = serde_log.level
-    serde_log.setLevel(logging.ERROR)
+    # The exporter's own INFO logging (onnxscript's optimizer, onnx_ir's passes: thousands of lines
+    # per graph) is kept at WARNING unless k3trt itself logs at DEBUG.
+    quiet = {"onnx_ir.serde": logging.ERROR}
+    if not log.isEnabledFor(logging.DEBUG):
+        quiet.update({"onnxscript": logging.WARNING, "onnx_ir": logging.WARNING})
+    saved = {name: logging.getLogger(name).level for name in quiet}
+    for name, lvl in quiet.items():
+        logging.getLogger(name).setLevel(lvl)
     try:
         program = torch.onnx.export(exported, dynamo=True, external_data=True,
                                     input_names=[t.name for t in ins], output_names=[t.name for t in outs],
                                     custom_translation_table=translation_table(), optimize=True, verbose=False)
         program.save(str(path), external_data=True)
     finally:
-        serde_log.setLevel(level)
+        for name, lvl in saved.items():
+            logging.getLogger(name).setLevel(lvl)
     _name_dynamic_dims(path, ins)
     onnx.checker.check_model(str(path), full_check=False)
     log.info("export %s: %s written and checked in %.1fs", spec.name, path.name, time.perf_counter() - t0)
@@ -371,13 +377,16 @@ def _name_dynamic_dims(path: Path, ins: list[TensorSpec]) -> None:
     onnx.save(model, str(path))
 
 
-WeightTable = dict[tuple[str, str], tuple[int, int]]     # (name, sha256) -> (offset, length) in the file
+WeightTable = dict[tuple[str, str], tuple[str, int, int]]   # (name, sha256) -> (file, offset, length)
 
 
 def share_weights(paths: list[Path], data_name: str = "weights.bin", table: WeightTable | None = None) -> WeightTable:
-    """Point every graph's external tensors at one file beside them (each tensor stored once, keyed
-    by name and content; pass the returned `table` back to share graphs exported later) and delete
-    the per-graph data files. Tensor by tensor: a K3-sized file is never held in memory."""
+    """Point every graph's external tensors at shared data files beside them (each tensor stored
+    once, keyed by name and content; pass the returned `table` back to share graphs exported
+    later) and delete the per-graph data files. Tensors the table already holds point where it
+    says (a rebuild's table starts with the files of the graphs it reuses); new ones are appended
+    to `data_name`, which is created only when something is appended. Tensor by tensor: a
+    K3-sized file is never held in memory."""
     import hashlib
 
     import onnx
@@ -388,33 +397,41 @@ def share_weights(paths: list[Path], data_name: str = "weights.bin", table: Weig
         dirs = sorted({str(p.parent) for p in paths})
         raise ValueError(f"share_weights: graphs must share one directory, got {dirs}")
     table = {} if table is None else table
+    shared = {loc for loc, _, _ in table.values()} | {data_name}
     old_files: set[Path] = set()
-    with open(data, "ab") as out:
+    out = None
+    try:
         for p in paths:
             model = onnx.load(str(p), load_external_data=False)
             for t in model.graph.initializer:
                 if t.data_location != onnx.TensorProto.EXTERNAL:
                     continue
                 info = {e.key: e.value for e in t.external_data}
-                src = p.parent / info["location"]
-                if src.name == data_name:
+                if info["location"] in shared:
                     continue
+                src = p.parent / info["location"]
                 old_files.add(src)
                 with open(src, "rb") as f:
                     f.seek(int(info.get("offset", 0)))
                     blob = f.read(int(info["length"]))
                 key = (t.name, hashlib.sha256(blob).hexdigest())
                 if key not in table:
+                    if out is None:
+                        out = open(data, "ab")
                     out.write(b"\0" * (-out.tell() % 64))        # aligned for mmap-and-copy loaders
-                    table[key] = (out.tell(), len(blob))
+                    table[key] = (data_name, out.tell(), len(blob))
                     out.write(blob)
-                offset, length = table[key]
+                location, offset, length = table[key]
                 del t.external_data[:]
-                for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
                     t.external_data.add(key=k, value=v)
             onnx.save(model, str(p))
+    finally:
+        if out is not None:
+            out.close()
     for f in old_files:
         f.unlink(missing_ok=True)
-    log.info("weights: %d tensors, %.1f MiB in %s, shared by %d graphs", len(table), data.stat().st_size / 2**20,
-             data.name, len(paths))
+    files = sorted({loc for loc, _, _ in table.values()})
+    log.info("weights: %d tensors in %s (%.1f MiB), shared by %d graph(s)", len(table), ", ".join(files),
+             sum((data.parent / f).stat().st_size for f in files) / 2**20, len(paths))
     return table

@@ -331,15 +331,32 @@ class EngineRunner:
 
 
 # ------------------------------------------------------------------------------ the session
+class EngineNotRunnable(RuntimeError):
+    """Engines this machine cannot run (no GPU, another GPU architecture, backend not installed)."""
+
+
+def check_runnable(rank_dir: str | Path, backend: str, target: str | None) -> None:
+    """Refuse, before any CUDA or TensorRT call, engines this machine cannot run, saying why
+    (`target`: the engine dir's; None skips the architecture comparison)."""
+    from k3trt.builder.tensorrt import runnable_here
+
+    reason = runnable_here(backend, target)
+    if reason is not None:
+        raise EngineNotRunnable(f"cannot run the {backend} engines of {rank_dir} (target {target or '?'}) on this "
+                                f"machine: {reason}")
+
+
 class TrtSession(EngineSession):
     """Engines of one rank dir on one GPU. `plan` is the runtime's CachePlan; one KDA slot is added
     past plan.num_slots as the scratch slot of padded verify requests."""
 
     def __init__(self, rank_dir: str | Path, cfg: ModelConfig, plan, *, backend: str, verify: tuple[int, ...],
                  prefill: tuple[int, ...], spec_tokens: int, max_seq_len: int, dtype: torch.dtype,
-                 kv_dtype: torch.dtype, device: str = "cuda:0", alias_caches: bool = False, cuda_graphs: bool = True):
+                 kv_dtype: torch.dtype, device: str = "cuda:0", alias_caches: bool = False, cuda_graphs: bool = True,
+                 target: str | None = None):
         from k3trt.builder.tensorrt import load_backend
 
+        check_runnable(rank_dir, backend, target)
         self.cfg, self.plan, self.device = cfg, plan, torch.device(device)
         self.scratch_slot = plan.num_slots
         self.layouts = engine_layouts(rank_dir, cfg, verify=verify, prefill=prefill, spec_tokens=spec_tokens,

@@ -1,5 +1,9 @@
 """From a validated OpenAI request to what the engine runs: prompt ids, one SamplingParams per choice,
-the grammar spec (if any), and how the output is to be read back.
+the grammar spec per prompt (if any), and how the output is to be read back.
+
+A grammar's `after_reasoning` must say whether the prompt leaves a `think` block open (the runtime
+refuses a mismatch): chat takes it from the thinking switch the template rendered with, a raw
+completion prompt from its own text.
 
 Stop strings are not handed to the runtime: the runtime matches them on text decoded without
 special tokens, while chat output is read with the special tokens kept (XTML markers), so the
@@ -24,7 +28,7 @@ class Plan:
     stops: tuple[str, ...]
     thinking: bool | None                    # chat: how to parse the output; None: plain text
     logprobs: int | None                     # top-n alternatives per token; None: no logprobs
-    guided: Any = None                       # a GuidedSpec, compiled by the caller
+    guided: tuple[Any, ...] | None = None    # a GuidedSpec per prompt, compiled by the caller
     drop_tool_calls: bool = False            # tool_choice "none"
     echo: bool = False
 
@@ -76,7 +80,8 @@ def chat_plan(req: ChatRequest, tokenizer: Any, *, max_model_len: int, json_max_
     field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, [ids], max_tokens, field, logprobs, max_model_len, "messages")
-    return Plan((tuple(ids),), params, req.stop, thinking, logprobs, guided, drop_tool_calls=choice == "none")
+    return Plan((tuple(ids),), params, req.stop, thinking, logprobs, None if guided is None else (guided,),
+                drop_tool_calls=choice == "none")
 
 
 def completion_plan(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, max_model_len: int,
@@ -96,11 +101,19 @@ def completion_plan(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, 
             raise bad(at, "the prompt encodes to no tokens")
         prompts.append(ids)
     guided = None
-    if req.response_format is not None:
-        guided = _spec(lambda s: s.from_response_format(req.response_format.model_dump(by_alias=True),
-                                                        max_whitespace=json_max_whitespace), "response_format")
+    if req.response_format is not None and req.response_format.type != "text":
+        fmt = req.response_format.model_dump(by_alias=True)
+        guided = tuple(_spec(lambda s: s.from_response_format(fmt, after_reasoning=_reasoning_open(tokenizer, ids),
+                                                              max_whitespace=json_max_whitespace),
+                             "response_format") for ids in prompts)
     params = _params(req, prompts, req.max_tokens or 16, "max_tokens", req.logprobs, max_model_len, "prompt")
     return Plan(tuple(map(tuple, prompts)), params, req.stop, None, req.logprobs, guided, echo=req.echo)
+
+
+def _reasoning_open(tokenizer: Any, ids: list[int]) -> bool:
+    """The prompt ends inside a `think` block: as the runtime's check_guided reads it."""
+    from k3trt.runtime.xtml import OPEN, reasoning_open
+    return OPEN in getattr(tokenizer, "special_ids", {}) and reasoning_open(tokenizer.decode(ids))
 
 
 def _guided_spec(req: ChatRequest, tools: list[dict], thinking: bool, mw: int | None) -> Any:
@@ -148,7 +161,7 @@ def _params(req: Any, prompts: list[list[int]], max_tokens: int | None, field: s
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
             repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0, logprobs=logprobs, ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()), logits_processors=procs)
+            stop_token_ids=tuple(req.stop_token_ids or ()), logits_processors=procs, speculative=req.speculative)
     except RequestError as e:
         rename = {"max_tokens": field, "logprobs": "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"}
         raise bad(rename.get(e.field, e.field), e.message) from None

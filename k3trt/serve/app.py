@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -27,7 +28,7 @@ from starlette.routing import Route
 from k3trt.serve import metrics
 from k3trt.serve.adapt import Plan, chat_plan, completion_plan
 from k3trt.serve.engine_loop import EngineLoop, Overloaded
-from k3trt.serve.guided import Grammars, attach
+from k3trt.serve.guided import Grammars
 from k3trt.serve.output import ChoiceStream, Update
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_json, validate
 from k3trt.serve.responses import Envelope, sse, usage
@@ -47,6 +48,7 @@ class ServerState:
     json_max_whitespace: int | None
     retry_after_s: int
     started: int
+    owns_llm: bool = False          # built by the server: closed with it
 
 
 class Run:
@@ -134,9 +136,9 @@ async def _completions(request: Request, chat: bool) -> Response:
     run = None
     try:
         params = list(plan.params)
-        if plan.guided is not None:
-            guide = await st.grammars.compile(plan.guided, None)
-            params = [attach(p, guide) for p in params]          # one matcher per choice
+        if plan.guided is not None:     # the runtime makes one matcher per choice from the shared guide
+            guides = [await st.grammars.compile(spec) for spec in plan.guided]
+            params = [dataclasses.replace(p, guided=guides[i // plan.n]) for i, p in enumerate(params)]
         run = Run(st, plan, params, rid)
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -254,6 +256,8 @@ def create_app(st: ServerState) -> Starlette:
         finally:
             await asyncio.to_thread(st.engine.stop)
             st.grammars.close()
+            if st.owns_llm:
+                st.llm.close()
 
     routes = [Route("/v1/chat/completions", _api(lambda r: _completions(r, chat=True)), methods=["POST"]),
               Route("/v1/completions", _api(lambda r: _completions(r, chat=False)), methods=["POST"]),

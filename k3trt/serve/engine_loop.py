@@ -158,8 +158,6 @@ class EngineLoop:
             if out.finished:
                 del self._sinks[out.request_id]
                 self._finished[out.finish_reason or "stop"] += 1
-                for key in ("drafted_tokens", "accepted_tokens"):
-                    self._totals[key] += out.stats.get(key) or 0
                 if out.stats.get("time_to_first_token_s") is not None:
                     self._totals["ttft_s"] += out.stats["time_to_first_token_s"]
                     self._totals["ttft_n"] += 1

@@ -1,24 +1,21 @@
-"""Structured output for the server: compile a GuidedSpec off the event loop, and attach it to a
-request's SamplingParams.
+"""Structured output for the server: compile a request's GuidedSpec off the event loop; the compiled
+guide then rides on the request's SamplingParams (`guided`), and the runtime does the rest: it masks
+every logits row a request gets in a step (the verify rows of its drafts included), cuts drafts at
+the first token the grammar refuses, and commits only the tokens it accepts.
 
-THE SEAM. The runtime's step loop does not take a grammar yet (the structured package documents how
-it will: `request.guided.fill_masks(drafts, ...)` before the forward, `commit(accepted)` after).
-Until it does, `attach` drives the same `GuidedState` from a logits processor: before each sample
-it commits the tokens generated since its last call and masks the row with the grammar's next-token
-mask. That is exact without speculative drafts (one logits row per step, which is all the runtime
-runs today). When the runtime takes the spec natively, `attach` becomes
-`dataclasses.replace(params, guided=compiled)` (or whatever field it picks) and GuidedProcessor goes.
+Why compile here and not let the runtime do it from the spec: a grammar xgrammar refuses is then a
+400 naming the field before the request is admitted (in the runtime it would end the request with
+finish_reason "error"), and a runtime handed a CompiledGuide never builds a vocabulary of its own,
+so the server holds one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from typing import Any
 
-from k3trt.runtime.params import SamplingParams
 from k3trt.serve.protocol import APIError, bad
 
 log = logging.getLogger(__name__)
@@ -40,7 +37,7 @@ class Grammars:
                 self.vocab = GrammarVocab(self._tokenizer, vocab_size=self._vocab_size)
                 self.cache = GrammarCache()
 
-    async def compile(self, spec: Any, param: str | None) -> Any:
+    async def compile(self, spec: Any, param: str | None = None) -> Any:
         """The CompiledGuide for `spec`; a grammar xgrammar refuses is a 400 naming the field."""
         from k3trt.runtime.params import RequestError
         await asyncio.to_thread(self._ready)
@@ -55,28 +52,3 @@ class Grammars:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
-
-
-class GuidedProcessor:
-    """One request's grammar as a logits processor (see the module doc). Runs on the engine thread."""
-
-    def __init__(self, guide: Any):
-        from k3trt.runtime.structured import apply_masks
-        self._apply = apply_masks
-        self.state = guide.new_state()
-        self.bitmask = guide.vocab.allocate_bitmask(1)
-
-    def __call__(self, output_ids: list[int], logits):
-        if logits.dim() != 1:
-            raise RuntimeError("grammar via logits processor needs one row per step (no speculative drafts)")
-        new = output_ids[self.state.num_committed:]
-        if new:
-            self.state.commit(new)        # raises GrammarError if a token broke the grammar: fails this request
-        self.state.fill_masks([], self.bitmask, 0)
-        return self._apply(logits[None], self.bitmask)[0]
-
-
-def attach(params: SamplingParams, guide: Any) -> SamplingParams:
-    """params that make the runtime follow `guide` (a CompiledGuide); the mask runs before any other
-    processor (logit_bias), so a bias can never revive a token the grammar forbids."""
-    return dataclasses.replace(params, logits_processors=(GuidedProcessor(guide), *params.logits_processors))

@@ -2,8 +2,9 @@
 counters do not need a client library.
 
 Sources: a snapshot taken on the engine thread (`EngineLoop.stats()`: scheduler queues, cache use,
-step and token counters, finished requests by reason, speculative acceptance) and the server's own
-admission counters.
+step and token counters, finished requests by reason, and the engine's live speculative counters,
+`LLM.stats()["speculative"]`, which count every verify step as it runs, aborted and preempted
+requests included) and the server's own admission counters.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ def _fmt(value: float) -> str:
 
 
 def render(s: dict[str, Any], engine: Any) -> str:
-    cache, totals, finished = s["cache"], s["totals"], s["finished"]
-    drafted, accepted = totals.get("drafted_tokens", 0), totals.get("accepted_tokens", 0)
+    cache, totals, finished, spec = s["cache"], s["totals"], s["finished"], s["speculative"]
     rows: list[tuple[str, str, str, Any]] = [
         ("k3trt_requests_waiting", "gauge", "Requests queued in the scheduler (new or preempted)", s["waiting"]),
         ("k3trt_requests_running", "gauge", "Requests holding cache blocks and a KDA slot", s["running"]),
@@ -35,10 +35,19 @@ def render(s: dict[str, Any], engine: Any) -> str:
          s["tokens_per_s"]),
         ("k3trt_engine_steps_total", "counter", "Engine steps run", s["steps"]),
         ("k3trt_preemptions_total", "counter", "Requests preempted for cache blocks", s["preemptions"]),
-        ("k3trt_spec_draft_tokens_total", "counter", "Speculative tokens proposed (finished requests)", drafted),
-        ("k3trt_spec_accepted_tokens_total", "counter", "Speculative tokens accepted (finished requests)", accepted),
-        ("k3trt_spec_acceptance_rate", "gauge", "Accepted / proposed speculative tokens",
-         accepted / drafted if drafted else 0.0),
+        ("k3trt_spec_tokens", "gauge", "Draft tokens per request and step, by drafting method (0: no speculation)",
+         {("method", spec["method"]): spec["spec_tokens"]}),
+        ("k3trt_spec_verify_steps_total", "counter", "Request verify steps that carried drafts",
+         spec["verify_steps"]),
+        ("k3trt_spec_draft_tokens_total", "counter", "Draft tokens proposed and verified", spec["drafted_tokens"]),
+        ("k3trt_spec_accepted_tokens_total", "counter", "Draft tokens accepted", spec["accepted_tokens"]),
+        ("k3trt_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens (0 before any draft)",
+         spec["acceptance_rate"] or 0.0),
+        ("k3trt_spec_mean_accepted_length", "gauge",
+         "Tokens emitted per verify step that carried drafts: accepted drafts + 1 (0 before any draft)",
+         spec["mean_accepted_length"] or 0.0),
+        ("k3trt_spec_accepted_drafts_total", "counter", "Verify steps that carried drafts, by drafts accepted",
+         {("accepted", n): c for n, c in sorted(spec["accepted_length_histogram"].items())}),
         ("k3trt_kv_cache_blocks_in_use", "gauge", "MLA cache blocks referenced by live requests",
          cache["blocks_in_use"]),
         ("k3trt_kv_cache_blocks_total", "gauge", "MLA cache blocks in the pool", s["num_blocks"]),

@@ -60,12 +60,20 @@ class ChoiceStream:
             return Update([], [])
         new = out.token_ids[len(self.token_ids):]
         lps = out.logprobs[len(self.token_ids):] if out.logprobs is not None else []
-        self.token_ids += new
         self.stats = out.stats or self.stats
-        start = len(self.text)
-        shown = [t for t in new if t in self._markers or not self.tokenizer.is_special(t)]
-        self.text += self._detok.feed(shown) + (self._detok.finish() if out.finished else "")
-        hit = find_stop(self.text, start, self.stops) if self.stops else None
+        start, used, hit = len(self.text), 0, None
+        # with stop strings, a token at a time: the choice ends at the token that completes one, so
+        # the tokens a speculative step commits past it count nowhere (usage, logprobs), as without drafts
+        for chunk in ([[t] for t in new] if self.stops else [new]):
+            used += len(chunk)
+            self.text += self._detok.feed([t for t in chunk if t in self._markers or not self.tokenizer.is_special(t)])
+            if self.stops and (hit := find_stop(self.text, start, self.stops)) is not None:
+                break
+        if hit is None and out.finished:
+            self.text += self._detok.finish()
+            hit = find_stop(self.text, start, self.stops) if self.stops else None
+        new, lps = new[:used], lps[:used]
+        self.token_ids += new
         if hit is not None:
             self.text = self.text[:hit[0]]
             self.finish_reason = "stop"          # the caller aborts the engine request

@@ -78,7 +78,8 @@ class ResponseFormat(_Model):
 
 class _Sampling(_Model):
     """Fields both endpoints share (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids are
-    vLLM-style extensions a client passes through `extra_body`)."""
+    vLLM-style extensions a client passes through `extra_body`; so is `speculative`: false keeps the
+    request out of the server's speculative decoding, a no-op on a server that does not speculate)."""
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -96,6 +97,7 @@ class _Sampling(_Model):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    speculative: bool = True
     response_format: ResponseFormat | None = None
     user: str | None = None          # accepted and ignored, as OpenAI's own fields
     metadata: dict[str, Any] | None = None

@@ -24,7 +24,8 @@ class ServeConfig:
     max_queue: int = 256                     # choices waiting beyond the live batch before 429
     retry_after_s: int = 1
     json_max_whitespace: int | None = None   # grammar whitespace cap (None: any, as JSON allows)
-    engine_options: dict[str, Any] = field(default_factory=dict)   # LLM(**options): max_batch, ...
+    engine_options: dict[str, Any] = field(default_factory=dict)   # LLM(**options): max_batch, speculative,
+                                                                    # spec_tokens, ...
     log_level: str = "info"
 
 
@@ -37,13 +38,14 @@ def build_app(cfg: ServeConfig, llm: Any = None):
 
     if cfg.max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {cfg.max_queue}")
+    owns = llm is None
     llm = llm or LLM(cfg.engine_dir, device=cfg.device, **cfg.engine_options)
     if llm.tokenizer is None:
         raise ValueError(f"{cfg.engine_dir}: the engine dir has no tokenizer; the server needs one")
     engine = EngineLoop(llm, max_pending=llm.config.max_batch + cfg.max_queue)
     name = cfg.model_name or Path(cfg.engine_dir).resolve().name
     st = ServerState(llm, engine, Grammars(llm.tokenizer, llm.vocab_size), name, cfg.api_key,
-                     cfg.json_max_whitespace, cfg.retry_after_s, int(time.time()))
+                     cfg.json_max_whitespace, cfg.retry_after_s, int(time.time()), owns_llm=owns)
     return create_app(st)
 
 

@@ -28,6 +28,7 @@ from k3trt.runtime.xtml import CLOSE, OPEN, SEP
 
 log = logging.getLogger(__name__)
 
+_XGR_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)    # xgrammar's CPU kernel takes these
 _BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
 
@@ -40,6 +41,14 @@ def xgr() -> Any:
         raise ImportError("structured output needs the xgrammar package "
                           "(pip install xgrammar)") from e
     return xgrammar
+
+
+def _has_xgrammar() -> bool:
+    try:
+        xgr()
+        return True
+    except ImportError:  # pragma: no cover - depends on the environment
+        return False
 
 
 def num_words(vocab_size: int) -> int:
@@ -130,20 +139,27 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor,
     """Mask logits [R, V'] in place (and return them): -inf wherever row r of bitmask [R, W] has a
     0 bit, and at every id >= W * 32 (vocabulary padding the mask does not cover). `indices` picks
     the rows to mask (a batch mixing guided and unguided requests); other rows are untouched.
-    CUDA logits: xgrammar's kernel (the bitmask is copied over if it is on the CPU); CPU: torch."""
+    CUDA logits: xgrammar's kernel (the bitmask is copied over if it is on the CPU); CPU: xgrammar's
+    CPU kernel (fp32 / bf16 / fp16), else torch. The row indices become a device tensor only where
+    the torch path or vocabulary padding needs them (no host-to-device copy on the CUDA path)."""
     if logits.dim() != 2 or bitmask.dim() != 2:
         raise ValueError(f"apply_masks: logits [R, V] and bitmask [R, W], got "
                          f"{tuple(logits.shape)} and {tuple(bitmask.shape)}")
     if indices is not None and len(indices) == 0:
         return logits
     covered = min(logits.shape[-1], bitmask.shape[-1] * 32)
-    rows = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long,
-                                                        device=logits.device)
     if logits.device.type == "cuda":
         bm = bitmask.to(logits.device, non_blocking=True)
         xgr().apply_token_bitmask_inplace(logits, bm, vocab_size=covered,
                                           indices=None if indices is None else list(indices))
+    elif (logits.device.type == "cpu" and logits.dtype in _XGR_CPU_DTYPES and bitmask.device.type == "cpu"
+          and bitmask.dtype == torch.int32 and _has_xgrammar()):
+        # xgrammar's C++ kernel: many times faster than unpacking the bitmask with torch
+        xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered,
+                                          indices=None if indices is None else list(indices))
     else:
+        rows = None if indices is None else torch.as_tensor(list(indices), dtype=torch.long,
+                                                            device=logits.device)
         bm = bitmask if rows is None else bitmask[rows.cpu()]
         banned = ~unpack(bm.to(logits.device), covered)
         if rows is None:
@@ -151,8 +167,8 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor,
         else:
             logits[rows, :covered] = logits[rows, :covered].masked_fill(banned, float("-inf"))
     if logits.shape[-1] > covered:
-        if rows is None:
+        if indices is None:
             logits[:, covered:] = float("-inf")
         else:
-            logits[rows, covered:] = float("-inf")
+            logits[torch.as_tensor(list(indices), dtype=torch.long, device=logits.device), covered:] = float("-inf")
     return logits

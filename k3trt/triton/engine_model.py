@@ -1,0 +1,214 @@
+"""The engine model: the k3trt runtime inside a Triton Python-backend instance (decoupled).
+
+One instance = one stub process = one LLM. The server's EngineLoop owns the LLM on its own
+thread; an asyncio loop on a second thread serves the requests. `execute` only reads each
+request's tensors and hands it to that loop, so it returns at once and the instance keeps taking
+requests while others generate (continuous batching happens in the runtime, not in Triton).
+A request's life mirrors the OpenAI server's (serve.app.Run: submit, read outputs, stop strings,
+abort on close): parse (an error response naming the input if refused) → grammar → admit →
+stream responses → the final one flagged COMPLETE_FINAL. A client that cancels is noticed by
+polling the response sender; the request is aborted at once, which frees its cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import types
+import uuid
+from typing import Any
+
+import numpy as np
+
+from k3trt.serve.app import Run
+from k3trt.serve.engine_loop import EngineLoop, Overloaded
+from k3trt.serve.guided import Grammars
+from k3trt.serve.protocol import APIError
+from k3trt.triton.metrics import TritonMetrics, forward_logs, output_tensors
+from k3trt.triton.requests import Job, parse
+from k3trt.triton.schema import ERROR_PREFIX
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.05
+METRICS_PERIOD_S = 0.5
+
+
+class EngineModel:
+    def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
+        import torch
+        import triton_python_backend_utils as pb
+
+        from k3trt.runtime.llm import LLM
+        self.pb = pb
+        forward_logs(pb)
+        cfg = json.loads(args["model_config"])
+        self.name, self.instance = cfg["name"], args.get("model_instance_name", cfg["name"])
+        if int(params.get("torch_threads") or 0) > 0:
+            torch.set_num_threads(int(params["torch_threads"]))
+        device = "cpu" if args.get("model_instance_kind") == "CPU" else f"cuda:{args['model_instance_device_id']}"
+        mw = params.get("json_max_whitespace", "")
+        self.json_max_whitespace = int(mw) if mw else None
+        self.llm = LLM(params["engine_dir"], device=device, **json.loads(params.get("engine_options") or "{}"))
+        if self.llm.tokenizer is None:
+            raise RuntimeError(f"{params['engine_dir']}: the engine dir has no tokenizer; Triton serving needs one")
+        self.grammars = Grammars(self.llm.tokenizer, self.llm.vocab_size)     # built on first use
+        self.engine = EngineLoop(self.llm, max_pending=self.llm.config.max_batch + int(params.get("max_queue", 256)))
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="k3trt-triton", daemon=True)
+        self._thread.start()
+        self.engine.start(self.loop)
+        self.metrics = TritonMetrics(pb, {"model": self.name, "instance": self.instance})
+        self._metrics_task = asyncio.run_coroutine_threadsafe(self._publish_metrics(), self.loop)
+        log.info("k3trt model %s ready on %s (max_batch %d)", self.instance, device, self.llm.config.max_batch)
+
+    # ---- stub thread ----------------------------------------------------------------------------
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                raw = {t.name(): t.as_numpy() for t in request.inputs()}
+            except Exception as e:            # tensors the stub cannot read: refuse this request only
+                log.exception("reading the inputs of request %r failed", request.request_id())
+                _Sender(sender, self.pb).error("INVALID_ARG", f"could not read the inputs: {e}")
+                continue
+            rid = f"{self.name}-{request.request_id() or uuid.uuid4().hex[:12]}-{uuid.uuid4().hex[:8]}"
+            asyncio.run_coroutine_threadsafe(self._serve(rid, _Sender(sender, self.pb), raw), self.loop)
+        return None
+
+    def finalize(self) -> None:
+        self._metrics_task.cancel()
+        self.engine.stop()                    # aborts what is in flight
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.metrics.close()
+        self.grammars.close()
+        self.llm.close()
+        log.info("k3trt model %s stopped", self.instance)
+
+    # ---- event loop -----------------------------------------------------------------------------
+    async def _serve(self, rid: str, sender: "_Sender", raw: dict[str, np.ndarray]) -> None:
+        run, admitted = None, False
+        try:
+            llm = self.llm
+            job = await asyncio.to_thread(parse, raw, llm.tokenizer, model=self.name, max_model_len=llm.max_model_len,
+                                          vocab_size=llm.vocab_size, json_max_whitespace=self.json_max_whitespace)
+            params = list(job.plan.params)
+            if job.plan.guided is not None:       # compiled here: a grammar xgrammar refuses is a 400
+                guide = await self.grammars.compile(job.plan.guided[0])
+                params = [dataclasses.replace(p, guided=guide) for p in params]
+            self.engine.admit(len(params))
+            admitted = True
+            # Run needs only .engine and .llm of the server's state
+            run = Run(types.SimpleNamespace(engine=self.engine, llm=llm), job.plan, params, rid)
+            await self._respond(run, job, sender, rid)
+        except APIError as e:
+            where = f"{e.param}: " if e.param and not e.message.startswith(e.param) else ""
+            sender.error("INVALID_ARG", where + e.message)
+        except Overloaded as e:
+            sender.error("UNAVAILABLE", f"{e}; retry later")
+        except Exception as e:
+            log.exception("request %s failed", rid)
+            sender.error("INTERNAL", f"{type(e).__name__}: {e}")
+        finally:
+            if run is not None:
+                run.close()                   # aborts the engine request if still live, frees its blocks
+            elif admitted:
+                self.engine.release(len(params))
+
+    async def _respond(self, run: Run, job: Job, sender: "_Sender", rid: str) -> None:
+        prompt_tokens = len(job.plan.prompts[0])
+
+        async def consume() -> None:
+            async for cs, upd in run.updates():
+                if cs.finish_reason == "error":
+                    raise RuntimeError(cs.error or "generation failed")
+                if job.stream:
+                    text, reasoning = _split(upd.deltas)
+                    if upd.finished:
+                        sender.send(self._final(cs, prompt_tokens, text, reasoning), final=True)
+                    elif text or reasoning:
+                        sender.send({"text_output": text, "reasoning_output": reasoning})
+            if not job.stream:
+                cs = next(iter(run.streams.values()))
+                sender.send(self._final(cs, prompt_tokens, "".join(cs.content), "".join(cs.reasoning)),
+                           final=True)
+
+        async def cancelled() -> None:
+            while not sender.cancelled():
+                await asyncio.sleep(CANCEL_POLL_S)
+
+        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(cancelled())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            run.close()                           # abort now: the blocks are free before we answer
+            log.info("request %s cancelled by the client: aborted, its cache blocks freed", rid)
+            sender.error("CANCELLED", "the client cancelled the request")
+            return
+        work.result()                             # an engine error raises here: answered as INTERNAL
+
+    def _final(self, cs: Any, prompt_tokens: int, text: str, reasoning: str) -> dict[str, Any]:
+        stats = dict(getattr(cs, "stats", None) or {})
+        drafted, accepted = stats.get("drafted_tokens") or 0, stats.get("accepted_tokens") or 0
+        return {"text_output": text, "reasoning_output": reasoning,
+                "tool_calls": json.dumps(cs.message({}).get("tool_calls", []), ensure_ascii=False),
+                "finish_reason": cs.final_reason(), "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(cs.token_ids), "drafted_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "stats": json.dumps(stats, default=str)}
+
+    async def _publish_metrics(self) -> None:
+        from k3trt.serve import metrics
+        while True:
+            try:
+                self.metrics.update(metrics.render(await self.engine.stats(), self.engine))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("publishing metrics failed; metrics stay as they were")
+            await asyncio.sleep(METRICS_PERIOD_S)
+
+
+def _split(deltas: list) -> tuple[str, str]:
+    from k3trt.runtime.xtml import DeltaKind
+    text = "".join(d.text for d in deltas if d.kind is DeltaKind.CONTENT)
+    return text, "".join(d.text for d in deltas if d.kind is DeltaKind.REASONING)
+
+
+class _Sender:
+    """One request's response sender. Once the final response is out, Triton frees the request's
+    response factory, and asking it anything more (is_cancelled) crashes the server (seen with
+    Triton 2.51): so the final flag is remembered and nothing is asked after it."""
+
+    def __init__(self, sender: Any, pb: Any):
+        self.sender, self.pb, self.done = sender, pb, False
+
+    def cancelled(self) -> bool:
+        return not self.done and self.sender.is_cancelled()
+
+    def send(self, fields: dict[str, Any], final: bool = False) -> None:
+        if self.done:
+            return
+        response = self.pb.InferenceResponse(output_tensors=output_tensors(self.pb, fields))
+        self.done = final
+        self.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def error(self, kind: str, message: str) -> None:
+        """A final error response; `kind` is a TritonError code name (schema.ERROR_PREFIX)."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            error = self.pb.TritonError(ERROR_PREFIX[kind] + message, getattr(self.pb.TritonError, kind))
+            response = self.pb.InferenceResponse(error=error)
+            self.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:                     # the client is gone: nobody to tell
+            log.warning("could not deliver the error %r", message, exc_info=True)

@@ -1,0 +1,130 @@
+"""From a Triton request's input tensors to what the engine runs (the OpenAI server's Plan).
+
+The tensors are turned into the body of an OpenAI chat (`messages`) or completion (`text_input`)
+request and go through the server's own validation and planning (serve.protocol, serve.adapt),
+so both front ends refuse the same requests with the same messages; only the field names are
+translated back to the Triton inputs' names. `guided_json` travels as a json_schema
+response_format; `guided_regex`, which OpenAI has no field for, travels as a json_object one whose
+GuidedSpec (chat form, reasoning gate and all, as the server decides them) then swaps JSON for the
+regex.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from k3trt.runtime.params import RequestError
+from k3trt.serve.adapt import Plan, chat_plan, completion_plan
+from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, bad, validate
+
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "speculative")
+CHAT_ONLY = ("tools", "tool_choice", "thinking")
+RENAME = {"prompt": "text_input", "chat_template_kwargs": "thinking", "max_completion_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class Job:
+    plan: Plan                        # plan.guided: one GuidedSpec per prompt (one prompt), or None
+    stream: bool
+
+
+def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_model_len: int, vocab_size: int,
+          json_max_whitespace: int | None = None) -> Job:
+    """A Job for the tensors `raw` (input name -> array); APIError (400, naming the input) if refused."""
+    one = _Reader(raw)
+    text, messages = one("text_input"), one("messages")
+    if (text is None) == (messages is None):
+        raise bad("text_input", "give exactly one of text_input and messages")
+    body: dict[str, Any] = {"model": model, **{k: v for k in SAMPLING if (v := one(k)) is not None}}
+    stops = [_text(s, "stop") for s in raw["stop"].reshape(-1)] if "stop" in raw else []
+    if stops:
+        body["stop"] = stops
+    schema, regex = one("guided_json"), one("guided_regex")
+    if schema is not None and regex is not None:
+        raise bad("guided_regex", "give at most one of guided_json and guided_regex")
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "guided_json", "schema": _json(schema, "guided_json")}}
+    elif regex is not None:
+        body["response_format"] = {"type": "json_object"}      # a placeholder: swapped for the regex below
+    try:
+        if messages is not None:
+            body["messages"] = _json(messages, "messages")
+            if (tools := one("tools")) is not None:
+                body["tools"] = _json(tools, "tools")
+            if (choice := one("tool_choice")) is not None:
+                body["tool_choice"] = choice if choice in ("auto", "none", "required") else \
+                    {"type": "function", "function": {"name": choice}}
+            if (thinking := one("thinking")) is not None:
+                body["chat_template_kwargs"] = {"thinking": thinking}
+            plan = chat_plan(validate(ChatRequest, body), tokenizer, max_model_len=max_model_len,
+                             json_max_whitespace=json_max_whitespace)
+        else:
+            given = [k for k in CHAT_ONLY if k in raw]
+            if given:
+                raise bad(given[0], f"{given[0]} needs messages (chat), not text_input")
+            plan = completion_plan(validate(CompletionRequest, {**body, "prompt": text}), tokenizer,
+                                   vocab_size=vocab_size, max_model_len=max_model_len,
+                                   json_max_whitespace=json_max_whitespace)
+    except APIError as e:
+        raise _renamed(e, "guided_json" if regex is None else "guided_regex") from None
+    if regex is not None:
+        plan = dataclasses.replace(plan, guided=tuple(_with_regex(spec, regex) for spec in plan.guided))
+    return Job(plan, bool(one("stream")))
+
+
+class _Reader:
+    """One element of an input, as a Python value (None when the input is absent)."""
+
+    def __init__(self, raw: Mapping[str, np.ndarray]):
+        self.raw = raw
+
+    def __call__(self, name: str) -> Any:
+        arr = self.raw.get(name)
+        if arr is None:
+            return None
+        if arr.size != 1:
+            raise bad(name, f"{name} must hold exactly one element, got shape {list(arr.shape)}")
+        value = arr.reshape(-1)[0]
+        return _text(value, name) if isinstance(value, (bytes, str)) else value.item()
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(name, f"{name} is not valid UTF-8: {e}") from None
+
+
+def _json(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise bad(name, f"{name} is not valid JSON: {e}") from None
+
+
+def _renamed(e: APIError, guided: str) -> APIError:
+    """The server's error with its field named as the Triton input (response_format -> `guided`)."""
+    names = {**RENAME, "response_format": guided}
+    head = (e.param or "").split(".")[0].split("[")[0]
+    if head in names:
+        e.param = names[head]
+        e.message = e.message.replace("response_format", guided).replace("chat_template_kwargs.", "")
+    return e
+
+
+def _with_regex(spec: Any, regex: str) -> Any:
+    if not isinstance(regex, str) or not regex:
+        raise bad("guided_regex", "guided_regex must be a non-empty string")
+    try:
+        return dataclasses.replace(spec, json_object=False, regex=regex)    # checked again: a bad regex fails
+    except RequestError as e:                                             # (GrammarError is a RequestError)
+        raise bad("guided_regex", e.message) from None

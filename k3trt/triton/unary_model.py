@@ -1,0 +1,71 @@
+"""The unary front (`k3_unary`): one response per request, for clients that cannot stream.
+
+Triton refuses HTTP /infer and gRPC ModelInfer on decoupled models ("HTTP end point doesn't
+support models with decoupled transaction policy"), and the engine model must be decoupled to
+stream. This model is not decoupled; it forwards each request to the engine model with BLS
+(`stream` forced false, so the engine answers with exactly one final response) and returns that
+response or its error unchanged. It loads no engine and imports neither torch nor the runtime.
+Each request waits on its own thread, so `execute` returns at once and requests stay concurrent
+(a non-decoupled Python model may answer through the response sender since Triton 23.10).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from k3trt.triton.metrics import forward_logs
+from k3trt.triton.schema import ERROR_PREFIX, OUTPUTS, error_kind
+
+log = logging.getLogger(__name__)
+
+
+class UnaryModel:
+    def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb
+        self.pb = pb
+        forward_logs(pb)
+        self.target = params["target_model"]
+        self.name = json.loads(args["model_config"])["name"]
+        log.info("k3trt unary front %s ready: forwards to %s", self.name, self.target)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            threading.Thread(target=self._forward, args=(request, sender), name="k3trt-unary", daemon=True).start()
+        return None
+
+    def finalize(self) -> None:
+        pass
+
+    def _forward(self, request: Any, sender: Any) -> None:
+        pb, final = self.pb, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            inputs = [t for t in request.inputs() if t.name() != "stream"]
+            inputs.append(pb.Tensor("stream", np.array([False])))
+            wanted = request.requested_output_names() or [t.name for t in OUTPUTS]
+            bls = pb.InferenceRequest(model_name=self.target, requested_output_names=list(wanted), inputs=inputs)
+            answer = None
+            for response in bls.exec(decoupled=True):
+                if response.has_error():
+                    msg = response.error().message()     # the code is lost across BLS: read it back
+                    error = pb.TritonError(msg, getattr(pb.TritonError, error_kind(msg)))
+                    sender.send(pb.InferenceResponse(error=error), flags=final)
+                    return
+                if response.output_tensors():
+                    answer = response
+            if answer is None:
+                raise RuntimeError(f"{self.target} returned no response")
+            sender.send(pb.InferenceResponse(output_tensors=answer.output_tensors()), flags=final)
+        except Exception as e:
+            log.exception("forwarding to %s failed", self.target)
+            try:
+                error = pb.TritonError(f"{ERROR_PREFIX['INTERNAL']}{type(e).__name__}: {e}", pb.TritonError.INTERNAL)
+                sender.send(pb.InferenceResponse(error=error), flags=final)
+            except Exception:
+                log.warning("could not deliver the error", exc_info=True)
+
