@@ -25,6 +25,8 @@ import pytest
 from click.testing import CliRunner
 
 import k3trt.builder.build as build_mod
+import k3trt.builder.backends as backends
+import k3trt.builder.rank as rank
 import k3trt.builder.tensorrt as trt
 from k3trt.builder.build import build_engine
 from k3trt.builder.engine_dir import EngineDirBusy, EngineDirError, build_lock, read_engine_dir
@@ -135,11 +137,11 @@ class FakeEngines:
         self.exported: list[str] = []
         self.built: list[str] = []
         self.loads = 0
-        monkeypatch.setattr(trt, "_export", self.export)
-        monkeypatch.setattr(trt, "build_engine", self.engine)
-        monkeypatch.setattr(trt, "load_backend", lambda name: trt.Backend(name, None, "fake-1.0"))
-        monkeypatch.setattr(trt, "installed_backends", lambda: ["tensorrt", "tensorrt-rtx"])
-        monkeypatch.setattr(trt.ModelSource, "load", lambda source: self.load())
+        monkeypatch.setattr(rank, "_export", self.export)
+        monkeypatch.setattr(rank, "build_engine", self.engine)
+        monkeypatch.setattr(rank, "load_backend", lambda name: backends.Backend(name, None, "fake-1.0"))
+        monkeypatch.setattr(backends, "installed_backends", lambda: ["tensorrt", "tensorrt-rtx"])
+        monkeypatch.setattr(rank.ModelSource, "load", lambda source: self.load())
 
     def load(self):
         self.loads += 1
@@ -274,8 +276,8 @@ def _cli(args, **kw):
 
 @pytest.fixture
 def no_long_work(monkeypatch):
-    monkeypatch.setattr(trt, "build_rank", lambda *a, **k: pytest.fail("the long work started"))
-    monkeypatch.setattr(trt.ModelSource, "load", lambda self: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(rank, "build_rank", lambda *a, **k: pytest.fail("the long work started"))
+    monkeypatch.setattr(rank.ModelSource, "load", lambda self: pytest.fail("the model was loaded"))
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorrt-rtx"])
@@ -300,7 +302,7 @@ def test_cli_refuses_a_checkpoint_that_is_not_k3(backend, tmp_path, no_long_work
      "prefill capacities [128] exceed 64"),
 ])
 def test_cli_refuses_invalid_capacities(args, exit_code, message, tiny_ckpt, tmp_path, no_long_work):
-    if "tensorrt-rtx" in args and "tensorrt-rtx" not in trt.installed_backends():
+    if "tensorrt-rtx" in args and "tensorrt-rtx" not in backends.installed_backends():
         pytest.skip("TensorRT-RTX not installed")
     r = _cli([str(tiny_ckpt), "-o", str(tmp_path / "e"), *args])
     assert r.exit_code == exit_code and message in r.output, r.output
@@ -320,7 +322,7 @@ def test_cli_refuses_targets_the_backend_cannot_build(args, message, tiny_ckpt, 
 
 
 def test_cli_refuses_an_uninstalled_backend(tiny_ckpt, tmp_path, no_long_work, monkeypatch):
-    monkeypatch.setattr(trt, "installed_backends", lambda: [])
+    monkeypatch.setattr(backends, "installed_backends", lambda: [])
     for backend in ("tensorrt", "tensorrt-rtx"):
         r = _cli([str(tiny_ckpt), "-o", str(tmp_path / "e"), "--backend", backend, "--target", "sm120"])
         assert r.exit_code == 1 and f"backend '{backend}' is not installed; install it with" in r.output, r.output
@@ -329,7 +331,7 @@ def test_cli_refuses_an_uninstalled_backend(tiny_ckpt, tmp_path, no_long_work, m
 @needs_rtx
 def test_cli_refuses_too_little_disk(tiny_ckpt, tmp_path, no_long_work, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(trt.shutil, "disk_usage", lambda p: usage(1 << 40, (1 << 40) - (1 << 20), 1 << 20))
+    monkeypatch.setattr(backends.shutil, "disk_usage", lambda p: usage(1 << 40, (1 << 40) - (1 << 20), 1 << 20))
     r = _cli([str(tiny_ckpt), "-o", str(tmp_path / "e"), *RTX_ARGS, "--capacities", "1", "--max-num-tokens", "1"])
     assert r.exit_code == 1 and "not enough disk" in r.output and "0.0 GiB are free" in r.output, r.output
     assert not (tmp_path / "e").exists() and _leftovers(tmp_path / "e") == []
@@ -387,7 +389,7 @@ def test_the_torch_runtime_refuses_the_rtx_engine_dir_with_the_reason(rtx_engine
     from k3trt.runtime.llm import LLM
 
     out = rtx_engine[0]
-    reason = trt.runnable_here("tensorrt-rtx", "sm120")
+    reason = backends.runnable_here("tensorrt-rtx", "sm120")
     with pytest.raises(EngineDirError, match="built for the 'tensorrt-rtx' backend \\(target sm120\\)") as e:
         LLM(out)
     assert (reason or "could run it") in str(e.value) and "--backend torch" in str(e.value)
@@ -408,12 +410,12 @@ def test_what_each_machine_is_told(rtx_engine, monkeypatch):
     for gpu, message in ((None, "it has no CUDA GPU"),
                          ("sm90", "its GPU is sm90, and TensorRT-RTX runs only on sm75, sm80"),
                          ("sm89", "its GPU is sm89 and the engines were built for sm120")):
-        monkeypatch.setattr(trt, "_local_gpu_target", lambda: gpu)
+        monkeypatch.setattr(backends, "_local_gpu_target", lambda: gpu)
         with pytest.raises(EngineNotRunnable, match=message):
             TrtSession(ed.rank_dir, ed.model, None, **kw)
         with pytest.raises(EngineDirError, match=f"this machine cannot run it: {message}"):
             LLM(ed.path)
-    monkeypatch.setattr(trt, "_local_gpu_target", lambda: "sm120")
+    monkeypatch.setattr(backends, "_local_gpu_target", lambda: "sm120")
     with pytest.raises(EngineDirError, match="could run it, but the TensorRT session .* is not wired"):
         LLM(ed.path)
 

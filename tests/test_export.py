@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime_extensions")
 from k3trt.builder.capacities import Capacities  # noqa: E402
 from k3trt.builder.export import StepGraph, export_mode, io_specs, model_cache  # noqa: E402
 from k3trt.builder.onnx_ops import DOMAIN, check_graph, native_lowerings, reference_outputs  # noqa: E402
-from k3trt.builder.tensorrt import build_rank, graph_specs  # noqa: E402
+from k3trt.builder.rank import build_rank, graph_specs  # noqa: E402
 from k3trt.model.moe import Experts  # noqa: E402
 
 BLOCK, MAX_SEQ = 16, 60

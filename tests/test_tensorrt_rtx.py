@@ -16,9 +16,10 @@ import torch
 
 from k3trt.builder.capacities import Capacities
 from k3trt.builder.export import StepGraph, cache_specs, export_graph, export_mode, io_specs, model_cache
-from k3trt.builder.tensorrt import (BuildError, BuildOptions, Backend, blocking_nodes, build_rank, check_checkpoint,
-                                    check_disk, check_target, estimate_build_bytes, graph_specs, load_backend,
-                                    preflight, register_plugins)
+from k3trt.builder.backends import (BuildError, Backend, check_checkpoint, check_disk, check_target,
+                                    estimate_build_bytes, load_backend, preflight)
+from k3trt.builder.rank import build_rank, graph_specs
+from k3trt.builder.tensorrt import BuildOptions, blocking_nodes, register_plugins
 from k3trt.model.context import StepContext
 from k3trt.runtime.engine import Seq, make_batch
 from k3trt.runtime.trt_session import cache_bytes, engine_layouts, prefill_chunks, prefill_inputs, verify_inputs
@@ -155,11 +156,11 @@ def test_targets(monkeypatch):
         check_target("tensorrt-rtx", None)
     with pytest.raises(BuildError, match="like sm90"):
         check_target("tensorrt-rtx", "hopper")
-    import k3trt.builder.tensorrt as trt_mod
-    monkeypatch.setattr(trt_mod, "_local_gpu_target", lambda: None)
+    import k3trt.builder.backends as backends_mod
+    monkeypatch.setattr(backends_mod, "_local_gpu_target", lambda: None)
     with pytest.raises(BuildError, match="has none"):
         check_target("tensorrt", "sm90")
-    monkeypatch.setattr(trt_mod, "_local_gpu_target", lambda: "sm90")
+    monkeypatch.setattr(backends_mod, "_local_gpu_target", lambda: "sm90")
     assert check_target("tensorrt", None) == "sm90"
     with pytest.raises(BuildError, match="build on a sm100 machine"):
         check_target("tensorrt", "sm100")

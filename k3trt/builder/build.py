@@ -4,17 +4,17 @@ torch            the "engine" is the checkpoint itself (config + safetensors sha
                  the filesystem allows, else copied) under rank0/, loaded at run time by the one
                  strict loader (k3trt.model.loader), plus the build options and capacity plan.
 tensorrt(-rtx)   rank0/ holds one ONNX graph and one engine per capacity and the shared weights
-                 (builder/tensorrt.py); every check that can fail runs before the long work.
+                 (builder/rank.py); every check that can fail runs before the long work (builder/backends.py).
 
 Rebuilding into an existing engine dir (engine backends): each capacity's files carry a content
-key (tensorrt.capacity_key) over everything they are made from: the checkpoint's weight files
+key (rank.capacity_key) over everything they are made from: the checkpoint's weight files
 (sha256 each; a file whose size and mtime equal the previous build's record is not hashed
 again), the k3trt version and a digest of the code that shapes the graphs (CODE_PACKAGES),
 the torch/onnx/onnxscript versions, the graph (capacity, rows, block size, table width,
 dtypes, kv scale: the build options that matter to it), the backend, its version and target.
 Capacities whose key is unchanged and whose files are intact are hard-linked from the previous
 dir, the others built; ``force`` rebuilds everything. ``workers`` > 1 builds capacities in
-spawned worker processes (tensorrt.build_rank). The new dir replaces the old one only once
+spawned worker processes (rank.build_rank). The new dir replaces the old one only once
 complete (engine_dir.write_engine_dir).
 """
 
@@ -71,11 +71,11 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if backend == "auto":
-        from k3trt.builder.tensorrt import installed_backends
+        from k3trt.builder.backends import installed_backends
         backend = "tensorrt" if "tensorrt" in installed_backends() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
-    from k3trt.builder.tensorrt import check_checkpoint
+    from k3trt.builder.backends import check_checkpoint
     cfg = check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
@@ -110,7 +110,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
 
 def _check_link_disk(checkpoint: Path, output: Path) -> None:
     """The torch backend hard-links the checkpoint; across filesystems it copies, and needs room."""
-    from k3trt.builder.tensorrt import check_disk
+    from k3trt.builder.backends import check_disk
 
     probe = next((p for p in [output, *output.parents] if p.exists()), Path("."))
     if probe.stat().st_dev != checkpoint.stat().st_dev:
@@ -128,14 +128,15 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | None, model_raw: dict,
                build: BuildConfig, caps: Capacities, check_onnx: bool, force: bool, workers: int) -> Path:
-    """One ONNX graph + engine per capacity under rank0/ (see builder/tensorrt.py)."""
-    from k3trt.builder import tensorrt as trt
+    """One ONNX graph + engine per capacity under rank0/ (see builder/rank.py)."""
+    from k3trt.builder import backends, rank
+    from k3trt.builder.tensorrt import BuildOptions
 
     t_start = time.perf_counter()
-    cfg = trt.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype)
+    cfg = backends.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype)
     if check_onnx and build.dtype != "fp32":
         raise ValueError("--check-onnx compares with onnxruntime in fp32: build with --dtype fp32")
-    target = trt.check_target(backend, target)
+    target = backends.check_target(backend, target)
     reports: list = []
     inputs: dict[str, Any] = {}
 
@@ -147,13 +148,13 @@ def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | No
         inputs.update(digest=digest, checkpoint_files=files, k3trt_version=k3trt.__version__, code_digest=code)
         prev = None
         if previous is not None:
-            prev = trt.Previous(previous.rank_dir, {k[len("rank0/"):]: v for k, v in previous.files.items()
-                                                    if k.startswith("rank0/")})
+            prev = rank.Previous(previous.rank_dir, {k[len("rank0/"):]: v for k, v in previous.files.items()
+                                                     if k.startswith("rank0/")})
         known: dict[str, str] = {}
-        reports.extend(trt.build_rank(
-            trt.ModelSource(checkpoint, build.torch_dtype), cfg, caps, tmp / "rank0", backend=backend,
+        reports.extend(rank.build_rank(
+            rank.ModelSource(checkpoint, build.torch_dtype), cfg, caps, tmp / "rank0", backend=backend,
             block_size=build.block_size, max_seq_len=build.max_seq_len, kv_dtype=build.kv_torch_dtype,
-            kv_scale=build.kv_scale, check=check_onnx, options=trt.BuildOptions(target=target), workers=workers,
+            kv_scale=build.kv_scale, check=check_onnx, options=BuildOptions(target=target), workers=workers,
             inputs_digest=digest, previous=prev, force=force, known_digests=known))
         inputs["capacities"] = {r.name: json.loads(Path(f"{r.engine}.json").read_text()).get("key") for r in reports}
         (tmp / "tokenizer").mkdir()

@@ -307,7 +307,7 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
 def _trt_refusal(path: Path, backend: str, target: str | None) -> str:
     """Why a torch runtime (LLM, `k3trt run`, `k3trt serve`) refuses a TensorRT engine dir: whether
     this machine could run it at all, and what to build instead."""
-    from k3trt.builder.tensorrt import runnable_here
+    from k3trt.builder.backends import runnable_here
 
     what = f"{path} was built for the {backend!r} backend (target {target or '?'})"
     fix = ("LLM, `k3trt run` and `k3trt serve` run torch engine dirs: build one with "

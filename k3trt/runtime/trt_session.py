@@ -83,7 +83,7 @@ def engine_layouts(rank_dir: str | Path, cfg: ModelConfig, *, verify: tuple[int,
     """Every capacity engine's bindings with concrete shapes (num_slots includes the scratch slot).
     Refuses a rank dir that lacks an engine or manifest, saying which."""
     from k3trt.builder.capacities import Capacities
-    from k3trt.builder.tensorrt import graph_specs
+    from k3trt.builder.rank import graph_specs
 
     rank_dir = Path(rank_dir)
     caps = Capacities(tuple(verify), tuple(prefill), spec_tokens)
@@ -338,7 +338,7 @@ class EngineNotRunnable(RuntimeError):
 def check_runnable(rank_dir: str | Path, backend: str, target: str | None) -> None:
     """Refuse, before any CUDA or TensorRT call, engines this machine cannot run, saying why
     (`target`: the engine dir's; None skips the architecture comparison)."""
-    from k3trt.builder.tensorrt import runnable_here
+    from k3trt.builder.backends import runnable_here
 
     reason = runnable_here(backend, target)
     if reason is not None:
@@ -354,7 +354,7 @@ class TrtSession(EngineSession):
                  prefill: tuple[int, ...], spec_tokens: int, max_seq_len: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: str = "cuda:0", alias_caches: bool = False, cuda_graphs: bool = True,
                  target: str | None = None):
-        from k3trt.builder.tensorrt import load_backend
+        from k3trt.builder.backends import load_backend
 
         check_runnable(rank_dir, backend, target)
         self.cfg, self.plan, self.device = cfg, plan, torch.device(device)
