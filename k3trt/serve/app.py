@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from k3trt.serve import metrics
 from k3trt.serve.adapt import Plan, chat_plan, completion_plan
-from k3trt.serve.engine_loop import EngineLoop, Overloaded
+from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.serve.guided import Grammars
 from k3trt.serve.output import ChoiceStream, Update
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_json, validate
@@ -185,17 +185,9 @@ async def _whole(run: Run, env: Envelope, plan: Plan, request: Request, tok: Any
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()           # the client left: close() aborts its engine requests
-    if not work.done() or work.cancelled():
+    if not await finish_unless(consume(), disconnected()):     # the client left: close() aborts its requests
         log.info("%s: client disconnected before the answer was ready", env.id)
         return Response(status_code=499)
-    work.result()
     streams = list(run.streams.values())
     for cs in streams:
         if cs.finish_reason == "error":

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Coroutine
 
 from k3trt.runtime.request import RequestOutput
 
@@ -190,3 +190,21 @@ class EngineLoop:
                 "num_blocks": llm.cache.pool.num_blocks, "max_batch": llm.config.max_batch,
                 "finished": dict(self._finished), "totals": dict(self._totals),
                 "tokens_per_s": (g1 - g0) / (t1 - t0) if recent and t1 > t0 else 0.0}
+
+
+async def finish_unless(work: Coroutine[Any, Any, None], stop: Coroutine[Any, Any, None]) -> bool:
+    """Await `work` unless `stop` completes first (the client left or cancelled the request).
+    Returns False when stopped (work is cancelled: closing its run aborts the engine requests);
+    True when work finished, re-raising its exception if it failed. Shared by the HTTP server and
+    the Triton model."""
+    task, stopper = asyncio.ensure_future(work), asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return False
+    task.result()
+    return True

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from k3trt.serve.app import Run
-from k3trt.serve.engine_loop import EngineLoop, Overloaded
+from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.serve.guided import Grammars
 from k3trt.serve.protocol import APIError
 from k3trt.triton.metrics import TritonMetrics, forward_logs, output_tensors
@@ -141,19 +141,11 @@ class EngineModel:
             while not sender.cancelled():
                 await asyncio.sleep(CANCEL_POLL_S)
 
-        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(cancelled())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-        if not work.done() or work.cancelled():
+        # an engine error raises out of finish_unless: answered as INTERNAL
+        if not await finish_unless(consume(), cancelled()):
             run.close()                           # abort now: the blocks are free before we answer
             log.info("request %s cancelled by the client: aborted, its cache blocks freed", rid)
             sender.error("CANCELLED", "the client cancelled the request")
-            return
-        work.result()                             # an engine error raises here: answered as INTERNAL
 
     def _final(self, cs: Any, prompt_tokens: int, text: str, reasoning: str) -> dict[str, Any]:
         stats = dict(getattr(cs, "stats", None) or {})
