@@ -162,3 +162,25 @@ def test_attn_res_matches_plain_softmax_mix():
         assert_close(got[t], F.rms_norm(mixed, (H,), out_norm, 1e-6), dtype=torch.float32)
     assert torch.equal(b2[:, 2], p) and torch.equal(new_prefix, p)
     assert torch.equal(b2[:, [0, 1, 3]], blocks[:, [0, 1, 3]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_match_loop_including_foreign_ids(dtype):
+    """The grouped-GEMM path (no host sync) against the per-expert loop, with ids == E (another EP
+    rank's expert) that must contribute nothing and experts that get no token."""
+    from k3trt.model.moe import Experts, grouped_mm_ok
+    cfg = tiny_cfg(num_experts=8)
+    ex = Experts(cfg, 64)
+    init_random_(ex, 5)
+    ex = ex.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 64, generator=g).to(dtype)
+    ids = torch.randint(0, 6, (11, 3), generator=g)          # experts 6, 7 get nothing
+    ids[2, 1] = ids[5, 0] = 8                                  # foreign
+    w = torch.rand(11, 3, generator=g)
+    assert grouped_mm_ok(x, ex.w_gate, ex.w_down)
+    with torch.no_grad():
+        got = ex._grouped(x, ids, w)
+        ref = ex._loop(x, ids, w)
+    assert not got.isnan().any()
+    assert_close(got, ref, dtype=dtype)

@@ -104,7 +104,7 @@ class _ExpertWeights:
     act: object
 
 
-_EXPERTS_FORWARD = Experts.forward
+_EXPERTS_FORWARD = Experts._loop   # the plain per-expert loop: the op's reference
 
 
 # ------------------------------------------------------------------------------ graph specs
@@ -222,19 +222,6 @@ def example_inputs(cfg: ModelConfig, spec: GraphSpec, *, num_blocks: int, num_sl
 
 
 # ------------------------------------------------------------------------------ the export wrapper
-@dataclass(frozen=True)
-class _ExportContext(StepContext):
-    """A StepContext whose lengths-derived tensors are graph inputs, not constants of the trace."""
-    seq_lens_t: Tensor | None = None
-    positions_t: Tensor | None = None
-
-    def seq_lens(self) -> Tensor:
-        return self.seq_lens_t
-
-    def positions(self, device: torch.device | str = "cpu") -> Tensor:
-        return self.positions_t if self.positions_t is not None else torch.zeros(self.num_tokens, dtype=torch.long)
-
-
 def model_cache(cfg: ModelConfig, spec: GraphSpec, caches: dict[str, Tensor]) -> ModelCache:
     """A ModelCache over tensors named as ``cache_specs`` names them."""
     cache = ModelCache(block_size=spec.block_size, kv_scale=spec.kv_scale)
@@ -261,10 +248,15 @@ class StepGraph(nn.Module):
         x = dict(zip(self.input_names, inputs))
         # ctx_lens only feeds KDA's "fresh sequence" rule (the caller's job, see the module doc)
         # once seq_lens and positions come from inputs: 1 keeps the slot contents
-        ctx = _ExportContext(q_lens=(spec.q_per_req,) * spec.num_seqs, ctx_lens=(1,) * spec.num_seqs,
-                             slot_mapping=x["slot_mapping"], block_table=x["block_table"],
-                             kda_slots=x["kda_slots"], save_kda_states=spec.saves_kda_states,
-                             seq_lens_t=x["seq_lens"], positions_t=x.get("positions"))
+        # seq_lens and positions are graph inputs, not constants of the trace (NoPE layers read no
+        # positions: a model without RoPE layers has no positions input)
+        positions = x.get("positions")
+        ctx = StepContext(q_lens=(spec.q_per_req,) * spec.num_seqs, ctx_lens=(1,) * spec.num_seqs,
+                          slot_mapping=x["slot_mapping"], block_table=x["block_table"],
+                          kda_slots=x["kda_slots"], save_kda_states=spec.saves_kda_states,
+                          dev_seq_lens=x["seq_lens"],
+                          dev_positions=positions if positions is not None else
+                          torch.zeros(spec.num_seqs * spec.q_per_req, dtype=torch.long))
         # clones: the model updates these in place; returning them makes the graph functional
         caches = {t.name: x[t.name].clone() for t in cache_specs(cfg, spec)}
         cache = model_cache(cfg, spec, caches)

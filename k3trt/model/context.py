@@ -34,6 +34,12 @@ class StepContext:
     block_table: torch.Tensor        # int32 [S, max_blocks]
     kda_slots: torch.Tensor          # int64 [S]
     save_kda_states: bool = False    # keep the KDA state after every position (verification)
+    # Device copies of what the host tuples imply. A step replayed from a CUDA graph sets them: its
+    # host tuples then describe only the padded shape, and reading them would bake one step's
+    # lengths into the graph. None: derived from the tuples on demand.
+    dev_positions: torch.Tensor | None = None   # int64 [T]
+    dev_seq_lens: torch.Tensor | None = None    # int32 [S]
+    dev_fresh: torch.Tensor | None = None       # bool [S]: the sequence starts here (ctx_len == 0)
 
     @property
     def num_seqs(self) -> int:
@@ -57,12 +63,22 @@ class StepContext:
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every new token (int64 [T])."""
+        if self.dev_positions is not None:
+            return self.dev_positions
         return torch.cat([torch.arange(c, c + n) for c, n in zip(self.ctx_lens, self.q_lens)]).to(device) \
             if self.q_lens else torch.empty(0, dtype=torch.long, device=device)
 
-    def seq_lens(self) -> torch.Tensor:
+    def seq_lens(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Total length per sequence after this step's tokens are written (int32 [S])."""
-        return torch.tensor([c + n for c, n in zip(self.ctx_lens, self.q_lens)], dtype=torch.int32)
+        if self.dev_seq_lens is not None:
+            return self.dev_seq_lens
+        return torch.tensor([c + n for c, n in zip(self.ctx_lens, self.q_lens)], dtype=torch.int32).to(device)
+
+    def fresh(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Bool [S]: which sequences start in this step (their recurrent state begins at zero)."""
+        if self.dev_fresh is not None:
+            return self.dev_fresh
+        return torch.tensor([c == 0 for c in self.ctx_lens], dtype=torch.bool).to(device)
 
 
 @dataclass

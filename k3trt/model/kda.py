@@ -113,7 +113,7 @@ class KDA(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)   # [T, 3·H·D]
         g = self.decay(x)                                                         # [T, H, D] fp32
         beta = torch.sigmoid(self.b_proj(x).float())                             # [T, H]
-        fresh = torch.tensor([c == 0 for c in ctx.ctx_lens], dtype=torch.bool, device=x.device)
+        fresh = ctx.fresh(x.device)
         slots = ctx.kda_slots.to(x.device)
 
         # Sequences with equal q_len (decode, verification, uniform prefill) run as one batch;
@@ -147,7 +147,6 @@ class KDA(nn.Module):
         # torch.where (not a multiply) so that NaN garbage in a reused slot cannot leak through
         keep = ~fresh
         conv0 = torch.where(keep.view(B, 1, 1), cache.conv[slots].to(qkv.dtype), 0.0)
-        state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
         if save and (cache.step_state is None or cache.step_conv is None or cache.step_state.shape[1] < n):
             have = None if cache.step_state is None else cache.step_state.shape[1]
             raise ValueError(f"KDA: save_kda_states for {n} positions needs step_state/step_conv with "
@@ -156,15 +155,26 @@ class KDA(nn.Module):
         y, conv1, conv_all = torch.ops.k3trt.short_conv(qkv, conv_w, conv0, save)
         q, k, v = y.view(B, n, 3, H, D).unbind(2)
         q, k, v = _l2norm(q), _l2norm(k), v.float()
-        if n > self.chunked_min_tokens and not save:
-            o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale)
-            states_all = None
+        chunked = n > self.chunked_min_tokens and not save
+        if chunked or torch.compiler.is_exporting():
+            # functional ops around a gather and a scatter: the chunked form (prefill), and every
+            # form under torch.export, whose ONNX translation (builder/onnx_ops.py) knows
+            # kda_recurrent but not the in-place kda_recurrent_slots
+            state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
+            if chunked:
+                o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale)
+            else:
+                o, state1, states_all = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state0, self.scale, save)
+                if save:
+                    cache.step_state[slots, :n] = states_all
+            cache.state[slots] = state1
         else:
-            o, state1, states_all = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state0, self.scale, save)
+            # decode / verification: in place on the cache slots (no state gather or scatter)
+            step_state = cache.step_state if save else cache.state.new_empty(0)
+            o = torch.ops.k3trt.kda_recurrent_slots(q, k, v, g, beta, cache.state, slots, fresh, step_state,
+                                                    self.scale, save)
 
-        cache.state[slots] = state1
         cache.conv[slots] = conv1.to(cache.conv.dtype)
         if save:
-            cache.step_state[slots, :n] = states_all
             cache.step_conv[slots, :n] = conv_all.to(cache.step_conv.dtype)
         return o

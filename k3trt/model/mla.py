@@ -122,7 +122,7 @@ class MLA(nn.Module):
     # ------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor, kv_scale: float = 1.0,
                 *, absorbed: bool | None = None) -> torch.Tensor:
-        positions = ctx.positions(x.device)
+        positions = ctx.positions(x.device) if self.use_rope else None     # NoPE layers need none
         q_nope, q_pe, kv_c, k_pe = self.project(x, positions)
         torch.ops.k3trt.mla_cache_write(kv_c, k_pe, kv_cache, ctx.slot_mapping, kv_scale)
         dcp = self.comm.pc.dcp > 1
@@ -144,7 +144,7 @@ class MLA(nn.Module):
             out_lat = dcp_mla_attention(q, ctx, kv_cache, self.softmax_scale, kv_scale, self.kv_lora, self.comm)
             return torch.einsum("thr,hvr->thv", out_lat, w_uv)
         out_lat, _ = torch.ops.k3trt.mla_verify(
-            q, kv_cache, ctx.block_table, ctx.seq_lens().to(q.device), ctx.uniform_q,
+            q, kv_cache, ctx.block_table, ctx.seq_lens(q.device), ctx.uniform_q,
             self.softmax_scale, kv_scale, self.kv_lora)
         return torch.einsum("thr,hvr->thv", out_lat.to(q.dtype), w_uv)
 

@@ -58,8 +58,13 @@ def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 class Experts(nn.Module):
-    """E gated MLPs at width W, stacked; forward loops over the experts that received tokens.
-    An id equal to E (the number of experts held here) is another EP rank's: skipped."""
+    """E gated MLPs at width W, stacked. An id equal to E (the number of experts held here) is
+    another EP rank's: it contributes nothing.
+
+    The (token, choice) pairs are sorted by expert and run as three grouped GEMMs whose group
+    boundaries stay on the device, so a step needs no host synchronisation (CUDA graphs) and reads
+    each chosen expert's weights once. Where torch's grouped GEMM does not take the dtype or the
+    shapes (fp32 on CUDA; widths not 16-byte aligned) a per-expert loop runs instead, eager only."""
 
     def __init__(self, cfg: ModelConfig, width: int, num_experts: int | None = None):
         super().__init__()
@@ -70,6 +75,28 @@ class Experts(nn.Module):
         self.act = gated_act(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if grouped_mm_ok(x, self.w_gate, self.w_down):
+            return self._grouped(x, ids, weights)
+        return self._loop(x, ids, weights)
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        (T, k), E = ids.shape, self.w_gate.shape[0]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)                 # pairs grouped by expert; id E (elsewhere) last
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts[:E].cumsum(0, dtype=torch.int32)   # group ends; pairs past offs[-1] get no GEMM
+        xs = x[order // k]
+        h = self.act(torch._grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs),
+                     torch._grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs))
+        ys = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
+        y = torch.empty_like(ys)
+        y[order] = ys                                     # back to (token, choice) order: a permutation
+        w = torch.where(ids < E, weights, 0.0).float()
+        y = torch.where((ids < E)[..., None], y.view(T, k, -1).float(), 0.0)  # unwritten rows may be NaN
+        return (y * w[..., None]).sum(1).to(x.dtype)
+
+    def _loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -86,6 +113,19 @@ class Experts(nn.Module):
             h = self.act(xe @ self.w_gate[e].t(), xe @ self.w_up[e].t()) @ self.w_down[e].t()
             out.index_add_(0, tok, h.float() * weights.flatten()[sel, None])
         return out.to(x.dtype)
+
+
+def grouped_mm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands: every GEMM dimension 16-byte aligned, and on
+    CUDA bf16 on SM90 or newer (what torch's grouped kernels cover); the CPU takes any float."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w_in.dtype:
+        return False
+    size = x.element_size()
+    if any(d * size % 16 for d in (*w_in.shape[1:], *w_out.shape[1:])):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
 class MoE(nn.Module):

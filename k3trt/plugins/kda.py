@@ -22,7 +22,26 @@ Ops (namespace ``k3trt``; every one takes one sequence or a batch of equal-lengt
     new_state like conv_state (its dtype); all_states [T, C, K-1] / [B, T, C, K-1]: the window
     after every position (empty unless save_all).
 
-None of the ops mutates its inputs; the caller writes the returned states into its cache.
+``kda_recurrent_slots(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, scale, save) -> o``
+    The recurrent form run in place on a cache of per-sequence states (decode and verification):
+    q, k   [B, n, H, dk] (any float dtype, any strides); v [B, n, H, dv]; g [B, n, H, dk] fp32;
+    beta   [B, n, H];
+    state_cache fp32 [num_slots, H, dk, dv]: row b starts from state_cache[slots[b]] and that slot
+           receives the state after position n-1 (mutated);
+    slots  int64 [B], in [0, num_slots) (the CUDA kernel cannot check without a host sync: it runs
+           an out-of-range row from zeros and writes nothing; the torch body raises);
+    fresh  bool [B]: True starts row b from zeros, whatever the slot holds (NaN included);
+    step_state_cache fp32 [num_slots, max_q >= n, H, dk, dv] when save (mutated:
+           step_state_cache[slots[b], j] <- the state after position j, j < n), else any tensor
+           (conventionally empty) that is neither read nor written;
+    o      fp32 [B, n, H, dv].
+    Rows sharing one slot (padding rows on a trash slot, fresh=True) each compute; which one's
+    state lands in the slot is unspecified. Equal to gather, ``torch.where(fresh, 0, state)``,
+    ``kda_recurrent`` and a scatter, which is its torch body; the CUDA kernel (kda_triton.py)
+    skips the gather/scatter copies, which at K3 sizes cost ~3x the recurrence's own traffic.
+
+Apart from ``kda_recurrent_slots``, none of the ops mutates its inputs; the caller writes the
+returned states into its cache.
 
 The bodies below are the plain-torch implementations, registered for every device. A GPU kernel
 is added later with ``kda_recurrent.register_kernel("cuda")(fn)`` (likewise for the others) from
@@ -35,11 +54,16 @@ explicit matrices, in fp64. It is not an op.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["kda_recurrent", "kda_chunked", "short_conv", "kda_reference_loop"]
+__all__ = ["kda_recurrent", "kda_recurrent_slots", "kda_chunked", "short_conv", "kda_reference_loop"]
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -109,6 +133,99 @@ def _(q, k, v, g, beta, state, scale, save_all):
     else:
         all_states = state.new_empty((0,), dtype=torch.float32)
     return o, final, all_states
+
+
+# ----------------------------------------------------------------------------- recurrent form over cache slots
+def _check_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_cache: Tensor, slots: Tensor,
+                 fresh: Tensor, step_state_cache: Tensor, save: bool) -> None:
+    """Shapes and dtypes only: nothing here reads a tensor's values (no host sync)."""
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"kda_recurrent_slots: q must be [B, n, H, dk] and v [B, n, H, dv], got "
+                         f"{tuple(q.shape)} and {tuple(v.shape)}")
+    B, n, H, dk = q.shape
+    dv = v.shape[-1]
+    for name, t, shape in (("k", k, (B, n, H, dk)), ("v", v, (B, n, H, dv)), ("g", g, (B, n, H, dk)),
+                           ("beta", beta, (B, n, H)), ("state_cache", state_cache, (state_cache.shape[0], H, dk, dv)),
+                           ("slots", slots, (B,)), ("fresh", fresh, (B,))):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"kda_recurrent_slots: {name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                             f"(from q {tuple(q.shape)} and v {tuple(v.shape)})")
+    if state_cache.dtype != torch.float32:
+        raise ValueError(f"kda_recurrent_slots: state_cache must be fp32, got {state_cache.dtype}")
+    if slots.dtype not in (torch.int64, torch.int32) or fresh.dtype != torch.bool:
+        raise ValueError(f"kda_recurrent_slots: slots must be int64 (or int32) and fresh bool, got {slots.dtype} "
+                         f"and {fresh.dtype}")
+    if save:
+        want = (state_cache.shape[0], H, dk, dv)
+        st = step_state_cache
+        if st.dim() != 5 or (st.shape[0], *st.shape[2:]) != want or st.shape[1] < n or st.dtype != torch.float32:
+            raise ValueError(f"kda_recurrent_slots: save needs an fp32 step_state_cache [num_slots, max_q >= {n}, "
+                             f"H, dk, dv] = [{want[0]}, >={n}, {H}, {dk}, {dv}], got {tuple(st.shape)} {st.dtype}")
+
+
+def _kda_recurrent_slots_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_cache: Tensor,
+                               slots: Tensor, fresh: Tensor, step_state_cache: Tensor, scale: float,
+                               save: bool) -> Tensor:
+    """The reference: gather, zero the fresh rows, ``kda_recurrent``, scatter."""
+    B, n = q.shape[:2]
+    # a select, not a multiply: 0 * NaN garbage in a reused slot would be NaN
+    state0 = torch.where(fresh.view(B, 1, 1, 1), 0.0, state_cache[slots])
+    o, state1, states_all = _kda_recurrent_torch(q, k, v.float(), g, beta, state0, scale, save)
+    state_cache[slots] = state1
+    if save:
+        step_state_cache[slots, :n] = states_all
+    return o
+
+
+@torch.library.custom_op("k3trt::kda_recurrent_slots", mutates_args=("state_cache", "step_state_cache"))
+def kda_recurrent_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_cache: Tensor,
+                        slots: Tensor, fresh: Tensor, step_state_cache: Tensor, scale: float,
+                        save: bool) -> Tensor:
+    """Token-by-token KDA on cache slots, in place; see the module docstring for layouts."""
+    _check_slots(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, save)
+    return _kda_recurrent_slots_torch(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, scale, save)
+
+
+@kda_recurrent_slots.register_fake
+def _(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, scale, save):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
+
+
+@kda_recurrent_slots.register_kernel("cuda")
+def _kda_recurrent_slots_cuda(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, scale, save):
+    _check_slots(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, save)
+    reason = slots_kernel_unsupported(q, v, state_cache, step_state_cache, save)
+    if reason:
+        _log_fallback(reason)
+        return _kda_recurrent_slots_torch(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache, scale, save)
+    from . import kda_triton  # lazy: triton is imported only on the CUDA path
+
+    return kda_triton.kda_recurrent_slots_fwd(q, k, v, g, beta, state_cache, slots, fresh, step_state_cache,
+                                              scale, save)
+
+
+def slots_kernel_unsupported(q: Tensor, v: Tensor, state_cache: Tensor, step_state_cache: Tensor,
+                             save: bool) -> str | None:
+    """Why the Triton kernel cannot take this call (None when it can). Shapes and dtypes only."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if not (_pow2(dk) and _pow2(dv)) or dk > 256:
+        return f"dk={dk}, dv={dv} (need powers of two >= 16, dk <= 256)"
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if q.dtype not in floats or v.dtype not in floats:
+        return f"q/v dtypes {q.dtype}/{v.dtype}"
+    # the kernel addresses the caches as dense arrays (the model's caches are)
+    if not state_cache.is_contiguous() or (save and not step_state_cache.is_contiguous()):
+        return "non-contiguous state_cache / step_state_cache"
+    return None
+
+
+def _pow2(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback(reason: str) -> None:
+    log.warning("kda_recurrent_slots: Triton kernel does not cover %s; using the torch reference", reason)
 
 
 # ----------------------------------------------------------------------------- chunked form

@@ -34,13 +34,16 @@ tokens. sparse_stride = 1 keeps every chunk and equals dense attention exactly.
 
 Backends. The plain-torch reference (fp32 accumulation; CPU or GPU, syncs on seq_lens) is the
 oracle. On CUDA a Triton kernel runs when the case is supported: q bf16/fp16, d_v and D - d_v
-powers of two >= 16, contiguous inputs; anything else falls back to the reference.
+powers of two >= 16, contiguous inputs; anything else falls back to the reference. K3's own
+shapes (q bf16, D 576, d_v 512, page 64, no DCP or sparse policy) take the SM90 CUDA kernel of
+mla_cuda/ where it is faster (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton|cuda overrides).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -135,6 +138,9 @@ def _mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scal
     if reason:
         _log_fallback(reason)
         return mla_verify_ref(*args)
+    if dcp_size == 1 and sparse_chunk == 0 and _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, q_per_req, d_v):
+        from .mla_cuda import mla_verify_cuda
+        return mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale, d_v)
     from . import mla_triton  # lazy: triton is imported only on the CUDA path
 
     plan = plan_for(q.shape[0] // q_per_req, q_per_req, q.shape[1], q.shape[2], d_v,
@@ -156,6 +162,42 @@ def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
 
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return make_plan(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8=kv_fp8, num_sms=sms)
+
+
+# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda. "auto" takes the
+# SM90 CUDA kernel (mla_cuda/) where it was measured faster than the Triton one on the H200: up to
+# SM90_MAX_ROWS folded rows per request (one 64-row tile: the memory-bound TP>=2 shapes; at
+# H=12, batch >= 32, 8K-32K context it runs at 0.69-0.78 of the roofline against Triton's
+# 0.44-0.48) and more than SMALL_GRID tiles in the grid (below that Triton's split-d_v config wins).
+SM90_MAX_ROWS = 64
+KERNEL_ENV = "K3TRT_MLA_KERNEL"
+
+
+def _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, q_per_req, d_v) -> bool:
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in ("auto", "triton", "cuda"):
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: choose auto, triton or cuda")
+    if choice == "triton":
+        return False
+    from . import mla_cuda
+    from .plans import SMALL_GRID
+    if mla_cuda.unsupported(q, kv_cache, block_table, seq_lens, d_v) is not None or not _sm90_builds():
+        return False
+    rows = q_per_req * q.shape[1]
+    return choice == "cuda" or (rows <= SM90_MAX_ROWS and block_table.shape[0] * -(-rows // 64) > SMALL_GRID)
+
+
+@functools.lru_cache(maxsize=1)
+def _sm90_builds() -> bool:
+    """Whether the CUDA extension builds here (nvcc and ninja at run time); logged once if not."""
+    from . import mla_cuda
+    try:
+        mla_cuda.load_extension()
+        return True
+    except Exception as e:      # no nvcc, a compiler error: the Triton kernel serves every call
+        log.warning("mla_verify: the SM90 CUDA kernel did not build (%s: %s); using the Triton kernel",
+                    type(e).__name__, str(e)[:500])
+        return False
 
 
 def kernel_unsupported(q, kv_cache, block_table, seq_lens, d_v) -> str | None:

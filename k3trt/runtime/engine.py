@@ -100,14 +100,16 @@ class EngineSession(abc.ABC):
 
 
 class TorchSession(EngineSession):
-    """The eager torch backend: the model of k3trt/model run as is (CUDA graphs per capacity come
-    with the GPU issue)."""
+    """The eager torch backend: the model of k3trt/model run as is, live rows only (graphs.py adds
+    the padded static steps and their CUDA graphs)."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, plan: CachePlan, *, device: torch.device | str,
-                 dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0):
+                 dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0,
+                 spare_slots: int = 0):
         self.model, self.cfg, self.plan, self.device = model, cfg, plan, torch.device(device)
+        # spare KDA slots past the plan's: padding rows of static steps write there (graphs.py)
         self.cache = ModelCache.allocate(cfg, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                                         num_slots=plan.num_slots, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype,
+                                         num_slots=plan.num_slots + spare_slots, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype,
                                          kv_scale=kv_scale, device=self.device,
                                          layers=range(cfg.num_hidden_layers))
         log.info("torch session on %s: %d MLA + %d KDA layers, %s cache", self.device, len(self.cache.mla),
@@ -117,10 +119,11 @@ class TorchSession(EngineSession):
         dev = self.device
         ctx = StepContext(batch.q_lens, batch.ctx_lens, batch.slot_mapping.to(dev), batch.block_table.to(dev),
                           batch.kda_slots.to(dev), batch.save_kda_states)
+        logit_rows = batch.logit_rows.to(dev)     # before the forward: after it, the copy would wait for it
         with torch.inference_mode():
             hidden = self.model(batch.input_ids.to(dev), ctx, self.cache)
             self.hidden = hidden if batch.keep_hidden else None
-            return self.model.logits(hidden[batch.logit_rows.to(dev)])
+            return self.model.logits(hidden[logit_rows])
 
     def prefill(self, batch: Batch) -> torch.Tensor:
         return self._forward(batch)
@@ -137,10 +140,12 @@ class TorchSession(EngineSession):
                     layer.conv[dst].copy_(layer.conv[src])
 
     def rollback_kda(self, slots: list[int], positions: list[int]) -> None:
-        s = torch.tensor(slots, device=self.device)
-        p = torch.tensor(positions, device=self.device)
+        self._restore_kda(torch.tensor(slots, device=self.device), torch.tensor(positions, device=self.device))
+
+    def _restore_kda(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """KDA slot `slots[i]` <- its state after position `positions[i]` of the last verify step."""
         with torch.inference_mode():
             for layer in self.cache.kda.values():
-                layer.state[s] = layer.step_state[s, p]
-                layer.conv[s] = layer.step_conv[s, p]
+                layer.state[slots] = layer.step_state[slots, positions]
+                layer.conv[slots] = layer.step_conv[slots, positions]
 

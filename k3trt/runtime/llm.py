@@ -30,7 +30,8 @@ from typing import Any, Iterator, Sequence, Union
 
 import torch
 
-from k3trt.builder.engine_dir import read_engine_dir
+from k3trt.builder.capacities import Capacities
+from k3trt.builder.engine_dir import BuildConfig, read_engine_dir
 from k3trt.runtime import sampling
 from k3trt.runtime.engine import TorchSession
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
@@ -64,6 +65,8 @@ class EngineOptions:
     seed: int = 0                         # draws the seeds of requests that bring none
     speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
+    cuda_graphs: bool | None = None       # decode/verify steps as CUDA graphs; None: on CUDA in bf16/fp16
+                                          # (True off CUDA: the padded static steps, uncaptured)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -78,22 +81,40 @@ class LLM:
     def __init__(self, engine_dir: str | Path, device: str | torch.device = "cpu", **options: Any):
         from k3trt.model.loader import load_model           # the one strict loader
         t0 = time.perf_counter()
-        opts = self.options = EngineOptions.from_kwargs(options)
+        opts = EngineOptions.from_kwargs(options)
         self.engine_dir = ed = read_engine_dir(engine_dir, backend="torch", verify_checksums=opts.verify_checksums)
-        b, cfg, device = ed.build, ed.model, torch.device(device)
+        _, model = load_model(ed.rank_dir, dtype=ed.build.torch_dtype, device=torch.device(device))
+        self._setup(model, ed.build, ed.capacities, ed.tokenizer_dir, torch.device(device), opts)
+        log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, ed.path)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, build: BuildConfig, capacities: Capacities,
+                   tokenizer_dir: str | Path | None = None, **options: Any) -> "LLM":
+        """An engine over a K3ForCausalLM already in memory, on its device and in build.dtype: for
+        benchmarks at sizes no checkpoint on disk holds, and for tests. No engine dir (engine_dir is
+        None); token-id prompts only unless tokenizer_dir is given."""
+        self = cls.__new__(cls)
+        self.engine_dir = None
+        device = next(model.parameters()).device
+        self._setup(model, build, capacities, Path(tokenizer_dir) if tokenizer_dir else None, device,
+                    EngineOptions.from_kwargs(options))
+        return self
+
+    def _setup(self, model: torch.nn.Module, b: BuildConfig, caps: Capacities, tokenizer_dir: Path | None,
+               device: torch.device, opts: EngineOptions) -> None:
+        self.options, cfg = opts, model.cfg
         hybrid = bool(cfg.kda_layers)
-        verify = _upto(ed.capacities.verify, opts.max_batch, "max_batch")
+        verify = _upto(caps.verify, opts.max_batch, "max_batch")
         max_num_tokens = min(opts.max_num_tokens or b.max_num_tokens, b.max_num_tokens)
         self.max_model_len = min(opts.max_model_len or b.max_seq_len, b.max_seq_len)
-        k = spec_tokens_for(opts.speculative, opts.spec_tokens, built=ed.capacities.spec_tokens)
+        k = spec_tokens_for(opts.speculative, opts.spec_tokens, built=caps.spec_tokens)
         try:
             self.config = SchedulerConfig(
                 max_num_tokens=max_num_tokens, verify_capacities=verify,
-                prefill_capacities=_upto(ed.capacities.prefill, max_num_tokens, "max_num_tokens"),
+                prefill_capacities=_upto(caps.prefill, max_num_tokens, "max_num_tokens"),
                 max_model_len=self.max_model_len, prefix_caching=opts.prefix_caching, hybrid=hybrid, spec_tokens=k)
         except ValueError as e:
             raise ValueError(f"{e}: lower spec_tokens or max_batch, or raise max_num_tokens") from None
-        _, model = load_model(ed.rank_dir, dtype=b.torch_dtype, device=device)
         checkpoints = (verify[-1] if opts.kda_checkpoints is None else opts.kda_checkpoints) \
             if hybrid and opts.prefix_caching else 0
         budget = opts.kv_cache_memory or (int(torch.cuda.mem_get_info(device)[0] * GPU_CACHE_FRACTION)
@@ -102,15 +123,25 @@ class LLM:
                           max_live=verify[-1], max_model_len=self.max_model_len, kv_dtype=b.kv_torch_dtype,
                           state_dtype=b.torch_dtype, num_blocks=opts.num_blocks, num_checkpoints=checkpoints,
                           max_q=k + 1 if k else 0)
-        self.session = TorchSession(model, cfg, plan, device=device, dtype=b.torch_dtype,
-                                    kv_dtype=b.kv_torch_dtype, kv_scale=b.kv_scale, max_q=k + 1 if k else 0)
+        kw = dict(device=device, dtype=b.torch_dtype, kv_dtype=b.kv_torch_dtype, kv_scale=b.kv_scale,
+                  max_q=k + 1 if k else 0)
+        graphs = opts.cuda_graphs if opts.cuda_graphs is not None else \
+            device.type == "cuda" and b.torch_dtype in (torch.bfloat16, torch.float16)
+        if graphs and device.type != "cuda":     # the tests check the padded static steps this way
+            log.warning("cuda_graphs on %s: static padded steps without capture", device)
+        if graphs:
+            from k3trt.runtime.graphs import GraphSession
+            self.session = GraphSession(model, cfg, plan, capacities=verify, q_values=(1, k + 1) if k else (1,),
+                                        max_blocks=-(-self.max_model_len // plan.block_size), **kw)
+        else:
+            self.session = TorchSession(model, cfg, plan, **kw)
         drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
                                target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
-                               sample_drafts=True) if k else NoDrafter()
+                               sample_drafts=True, graphs=graphs) if k else NoDrafter()
         self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
-        self.tokenizer, self.eos_ids = _load_tokenizer(ed.tokenizer_dir)
+        self.tokenizer, self.eos_ids = _load_tokenizer(tokenizer_dir)
         self.vocab_size = cfg.vocab_size
         self._grammars = None       # structured.runtime.Grammars, made by the first guided request
         self._requests: dict[str, Request] = {}
@@ -119,9 +150,9 @@ class LLM:
         self._seeds = random.Random(opts.seed)
         self.counters: dict[str, Any] = {"steps": 0, "preemptions": 0, "generated_tokens": 0,
                                          "capacity_hits": {"verify": Counter(), "prefill": Counter()}}
-        log.info("engine ready in %.1fs: %s on %s, verify capacities %s, prefill capacities %s, max_model_len %d, "
-                 "speculative %s (K=%d)", time.perf_counter() - t0, ed.path, device, list(verify),
-                 list(self.config.prefill_capacities), self.max_model_len, opts.speculative, k)
+        log.info("runtime on %s: verify capacities %s, prefill capacities %s, max_model_len %d, speculative %s "
+                 "(K=%d), CUDA graphs %s", device, list(verify), list(self.config.prefill_capacities),
+                 self.max_model_len, opts.speculative, k, "on" if graphs else "off")
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> str:
@@ -206,10 +237,8 @@ class LLM:
             self.spec.release(req)                     # it recomputes from its prompt: so does the drafter
         self.session.copy_kda(self.cache.copies)      # checkpoint saves/restores, before the forward
         self.cache.copies.clear()
-        guided_rows = []
-        if self._grammars is not None:               # masks; a grammar fault takes its request out
-            guided_rows = self._grammars.fill([*plan.decodes, *(c.req for c in plan.prefills if c.completes)],
-                                              self._fault)
+        if self._grammars is not None:      # drafts cut at the first refused token; a fault takes its request out
+            self._grammars.cut_drafts(plan.decodes, self._fault)
             self.scheduler.refit(plan)
         if plan.empty:
             pending = [r.guide_future for r in self.scheduler.compiling]
@@ -225,8 +254,10 @@ class LLM:
             for req in [*plan.decodes, *(c.req for c in plan.prefills)]:
                 self._finish(req, FinishReason.ERROR, error=f"engine step failed: {type(e).__name__}: {e}")
             raise
-        if guided_rows:
-            self._grammars.apply(out.logits, guided_rows)
+        if self._grammars is not None:      # masks filled while the forward runs (CUDA: launched, not done)
+            guided_rows = self._grammars.fill(out.rows, self._fault)
+            if guided_rows:
+                self._grammars.apply(out.logits, guided_rows)
         self._sample_and_commit(out.rows, out.logits)
         return self._emit()
 
@@ -346,6 +377,7 @@ class LLM:
         c = self.counters
         return {**{k: v for k, v in c.items() if k != "capacity_hits"},
                 "capacity_hits": {k: dict(sorted(v.items())) for k, v in c["capacity_hits"].items()},
+                "graphs": dict(getattr(self.session, "graph_stats", {})),
                 "cache": self.cache.usage(), "speculative": self.spec.to_dict()}
 
 

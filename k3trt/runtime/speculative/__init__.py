@@ -6,6 +6,7 @@ the model-running drafters are imported lazily so that n-gram drafting needs not
     ngram         prompt lookup (ngram.py)
     draft:DIR     a smaller K3-format checkpoint with its own caches (draft_model.py)
     mtp           the target's MTP layer (mtp.py; the runtime hands over hidden states)
+    layerskip:N   the target's first N layers as its own draft, no new weights (layer_skip.py)
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def spec_tokens_for(spec: str, requested: int | None, *, built: int) -> int:
 
 def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target: torch.nn.Module | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", block_size: int = 16,
-                 sample_drafts: bool = False) -> Drafter:
-    """The drafter for `spec` (module doc). `target` (a K3ForCausalLM) is needed by mtp and, for its
-    vocabulary check, by draft:DIR; k is the most drafts per request (1..7)."""
+                 sample_drafts: bool = False, graphs: bool | None = None) -> Drafter:
+    """The drafter for `spec` (module doc). `target` (a K3ForCausalLM) is needed by mtp and
+    layerskip and, for its vocabulary check, by draft:DIR; k is the most drafts per request (1..7).
+    `graphs`: layerskip's draft steps as CUDA graphs (None: on CUDA in bf16/fp16)."""
     if not 1 <= k <= MAX_SPEC_TOKENS:
         raise ValueError(f"speculative tokens must be in 1..{MAX_SPEC_TOKENS}, got {k}")
     kw = dict(k_max=k, max_live=max_live, max_model_len=max_model_len, block_size=block_size,
@@ -63,4 +65,10 @@ def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target
             raise ValueError("--speculative mtp needs the target model (its MTP layers)")
         from k3trt.runtime.speculative.mtp import MTPDrafter
         return MTPDrafter(target, target.cfg, **kw)
-    raise ValueError(f"unknown --speculative {spec!r}; choose none, ngram, draft:DIR or mtp")
+    if spec.startswith("layerskip:"):
+        n = spec[len("layerskip:"):]
+        if target is None or not n.isdigit():
+            raise ValueError(f"--speculative {spec}: needs the target model and a layer count (layerskip:N)")
+        from k3trt.runtime.speculative.layer_skip import LayerSkipDrafter
+        return LayerSkipDrafter(target, int(n), graphs=graphs, **kw)
+    raise ValueError(f"unknown --speculative {spec!r}; choose none, ngram, draft:DIR, mtp or layerskip:N")

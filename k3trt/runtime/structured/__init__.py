@@ -16,9 +16,12 @@ takes a GuidedSpec, a dict of its fields or a CompiledGuide):
   schedule:    a guided request runs only once its future is done; then (once)
                request.guided = future.result().new_state()  (GrammarError -> finish it "error")
   draft:       K drafts as usual
-  mask:        n = request.guided.fill_masks(drafts, bitmask, row0); drafts = drafts[:n]
-               (rows row0 .. row0 + n now hold the masks of this request's n + 1 verify rows)
-  run:         logits for every row
+  cut:         n = request.guided.admit(drafts); drafts = drafts[:n]     (before the forward: what
+               is verified must be admitted; no mask is filled here)
+  run:         launch the forward (logits for every row); while it runs on the GPU:
+  mask:        request.guided.fill_masks(drafts, bitmask, row0)   (returns n again; rows row0 ..
+               row0 + n now hold the masks of this request's n + 1 verify rows; fill_masks_batch
+               fills many requests' rows through xgrammar's BatchGrammarMatcher)
                apply_masks(logits, bitmask, indices=[rows of guided requests])   before sampling /
                acceptance (the target distribution p is the masked one)
   accept:      accepted drafts + the next token (sampled from a masked row, so it is admitted)
@@ -35,8 +38,8 @@ buffer while a step is in flight.
 
 from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache, compile_guide
 from k3trt.runtime.structured.spec import GrammarError, GuidedSpec
-from k3trt.runtime.structured.state import GuidedState
+from k3trt.runtime.structured.state import GuidedState, fill_masks_batch
 from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, pack, unpack
 
 __all__ = ["CompiledGuide", "GrammarCache", "GrammarError", "GrammarVocab", "GuidedSpec",
-           "GuidedState", "apply_masks", "compile_guide", "pack", "unpack"]
+           "GuidedState", "apply_masks", "compile_guide", "fill_masks_batch", "pack", "unpack"]

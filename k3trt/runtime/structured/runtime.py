@@ -4,8 +4,17 @@ one `GrammarCache`, the bitmask rows of a step, and the submission check of a gu
     grammars = Grammars(tokenizer, vocab_size, rows=max_batch * (K + 1))   # per engine, cheap
     req.guide_future = grammars.submit(params.guided)   # at add_request: never blocks
     grammars.attach_ready(waiting, fault)       # each step: compiled ones get their matcher
-    rows = grammars.fill(reqs, fault)           # after the schedule: masks, drafts cut
-    grammars.apply(logits, rows)                # after the forward, before sampling / acceptance
+    grammars.cut_drafts(reqs, fault)            # after the schedule, before the forward: drafts cut at
+                                                #   the first token the grammar refuses (then refit)
+    out = run_plan(...)                         # the forward, launched (asynchronous on CUDA)
+    rows = grammars.fill(out.rows, fault)       # meanwhile on the host: K+1 mask rows per request
+    grammars.apply(out.logits, rows)            # before sampling / acceptance
+
+The mask fill runs after the forward is launched so that its host time hides under the GPU's; only
+the draft check, which can change what the forward verifies, runs before. A grammar fault in
+`fill` ends its request (fault): its rows were computed and are ignored (the loop skips finished
+requests). Fills of many requests go through xgrammar's BatchGrammarMatcher (C++ threads) from
+`batch_min` guided requests on; fewer are filled one by one (GuidedState.fill_masks).
 
 `check_guided` runs at submission (request.new_request): a guided request needs the engine's
 tokenizer, a compiled guide must belong to this vocabulary size, and `after_reasoning` must match
@@ -24,6 +33,7 @@ import torch
 from k3trt.runtime.params import RequestError
 from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache
 from k3trt.runtime.structured.spec import GuidedSpec
+from k3trt.runtime.structured.state import fill_masks_batch
 from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, num_words
 
 log = logging.getLogger(__name__)
@@ -51,8 +61,11 @@ def check_guided(guided: GuidedSpec | CompiledGuide, prompt_ids: Sequence[int], 
 class Grammars:
     """Per engine: the vocabulary, the compile cache and the step's bitmask (module doc)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, *, rows: int, threads: int = 2):
+    def __init__(self, tokenizer: Any, vocab_size: int, *, rows: int, threads: int = 2,
+                 fill_threads: int | str = "auto", batch_min: int = 8):
         self._tokenizer, self._vocab_size, self.rows = tokenizer, vocab_size, rows
+        self.fill_threads, self.batch_min = fill_threads, batch_min    # batched mask fill (module doc)
+        self._batcher = None
         self._lock = threading.Lock()
         self._vocab: Future[GrammarVocab] | None = None
         self._builder: ThreadPoolExecutor | None = None
@@ -71,21 +84,50 @@ class Grammars:
                 except Exception as e:
                     fault(req, f"grammar failed to compile: {e}")
 
-    def fill(self, reqs: Sequence[Any], fault: Callable[[Any, str], None]) -> list[int]:
-        """Bitmask rows for a step whose logits rows are `reqs` in order, 1 + len(drafts) each: each
-        guided request's drafts are cut at the first token its grammar refuses, and its rows filled.
-        Returns the guided rows. A grammar fault ends its request (its rows drop out of the layout)."""
-        out, row = [], 0
+    def cut_drafts(self, reqs: Sequence[Any], fault: Callable[[Any, str], None]) -> None:
+        """Before the forward: cut each guided request's drafts at the first token its grammar
+        refuses (GuidedState.admit; no mask is filled). A grammar fault ends its request; call
+        Scheduler.refit after this (a fault or a cut changes the step)."""
         for req in reqs:
-            if req.guided is not None:
+            if req.guided is not None and req.drafts:
                 try:
-                    n = req.guided.fill_masks(req.drafts, self.bitmask, row)
+                    n = req.guided.admit(req.drafts)
                 except Exception as e:
                     fault(req, f"grammar failed: {type(e).__name__}: {e}")
                     continue
-                req.set_drafts(req.drafts[:n], req.draft_q)
-                out.extend(range(row, row + 1 + n))
-            row += 1 + len(req.drafts)
+                if n < len(req.drafts):
+                    req.set_drafts(req.drafts[:n], req.draft_q)
+
+    def fill(self, rows: Sequence[Any], fault: Callable[[Any, str], None]) -> list[int]:
+        """After the forward is launched: the bitmask rows of the step's logits layout `rows`
+        (step.Rows: req, row0, num = 1 + its drafts, already cut by cut_drafts). Returns the guided
+        rows. A grammar fault ends its request (fault): its rows are left out, and the loop ignores
+        the rows of a finished request."""
+        items = []
+        for r in rows:
+            req = r.req
+            if req.guided is not None and not req.finished:
+                items.append((req, req.drafts[:r.num - 1], r.row0))
+        if not items:
+            return []
+        bm = self.bitmask
+        if len(items) >= self.batch_min:
+            errors = fill_masks_batch([(req.guided, d, row0) for req, d, row0 in items], bm, self._batch())
+        else:
+            errors = []
+            for req, drafts, row0 in items:
+                try:
+                    n = req.guided.fill_masks(drafts, bm, row0)
+                    errors.append(None if n == len(drafts) else RuntimeError(
+                        f"the grammar refused draft {n} after admitting it before the step"))
+                except Exception as e:
+                    errors.append(e)
+        out = []
+        for (req, drafts, row0), e in zip(items, errors):
+            if e is not None:
+                fault(req, f"grammar failed: {type(e).__name__}: {e}")
+            else:
+                out.extend(range(row0, row0 + 1 + len(drafts)))
         return out
 
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
@@ -96,6 +138,12 @@ class Grammars:
                 apply_masks(logits, self.bitmask[:logits.shape[0]], indices=rows)
 
     # ---- internals ----------------------------------------------------------------------------------
+    def _batch(self) -> Any:
+        if self._batcher is None:
+            from k3trt.runtime.structured.vocab import xgr
+            self._batcher = xgr().BatchGrammarMatcher(self.fill_threads)
+        return self._batcher
+
     def _vocab_future(self) -> "Future[GrammarVocab]":
         with self._lock:
             if self._vocab is None:

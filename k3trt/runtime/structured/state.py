@@ -1,9 +1,12 @@
 """`GuidedState`: one request's grammar matcher and reasoning gate, driven by the step loop.
 
 Per step (see the package doc for the full sequence):
-- `fill_masks(drafts, bitmask, row0)` fills rows row0 .. row0 + n for the last committed position
-  and each draft, walking the matcher through the drafts and rolling it back before returning (the
-  matcher is never left advanced), and returns n = how many drafts the grammar admits;
+- `admit(drafts)` (before the forward) returns n = how many leading drafts the grammar admits,
+  walking the matcher through them (accept_token, no mask) and rolling it back;
+- `fill_masks(drafts, bitmask, row0)` (after the forward is launched) fills rows row0 .. row0 + n
+  for the last committed position and each draft, walking the matcher through the drafts and
+  rolling it back before returning (the matcher is never left advanced), and returns the same n;
+  `fill_masks_batch` does that for many requests at once (xgrammar's BatchGrammarMatcher);
 - `commit(tokens)` advances by the tokens actually accepted and returns how many it consumed: all
   of them, or fewer when the grammar ended (eos accepted) inside the block.
 
@@ -17,7 +20,7 @@ immutable value, so a mask fill walks copies of it and never has to undo anythin
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -57,6 +60,32 @@ class GuidedState:
         return self._gate is not None
 
     # ---- the step ------------------------------------------------------------------------------
+    def admit(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar admits: the n fill_masks would return, without
+        filling any mask row (the cheap check that cuts drafts before verification). The matcher
+        is left where it was."""
+        self._check_live()
+        v, gate, steps, n = self.vocab, self._gate, 0, 0
+        try:
+            for token in drafts:
+                token = int(token)
+                if not 0 <= token < v.vocab_size:              # a drafter may propose garbage
+                    break
+                if gate is not None:
+                    if not (int(v.free_row[token >> 5]) >> (token & 31)) & 1:     # the free row's bit
+                        break
+                    gate = self._advance_gate(gate, token)
+                elif (self._matcher.is_terminated() or (token != v.eos_id and not v.token_bytes(token))
+                      or not self._matcher.accept_token(token)):
+                    break     # a special token no grammar can ask for: refused without asking xgrammar (it logs)
+                else:
+                    steps += 1
+                n += 1
+        finally:
+            if steps:
+                self._matcher.rollback(steps)
+        return n
+
     def fill_masks(self, drafts: Sequence[int], bitmask: torch.Tensor, row0: int = 0) -> int:
         """Fill bitmask rows row0 + i (i = 0 .. n) for the position after the last committed token
         and after each of the first n drafts; return n, the number of leading drafts the grammar
@@ -144,3 +173,63 @@ class GuidedState:
         if after_close and token not in v.special_ids and len(name) <= _MAX_NAME:
             return (True, name + v.token_bytes(token))
         return _CLOSED
+
+
+def fill_masks_batch(items: Sequence[tuple[GuidedState, Sequence[int], int]], bitmask: torch.Tensor,
+                     batcher: Any) -> list[Exception | None]:
+    """fill_masks for many requests at once: items are (state, drafts, row0), drafts already cut by
+    admit. Per draft depth j, one xgrammar batched fill (`batcher`: a BatchGrammarMatcher, its
+    threads) of every matcher still inside the grammar at row0 + j, then each walks by its j-th
+    draft; every matcher is rolled back at the end. Returns, per item, None or the exception that
+    failed it (a draft the grammar refuses here: GrammarError); a failed item's rows are undefined,
+    the others' are exactly what fill_masks fills."""
+    errors: list[Exception | None] = [None] * len(items)
+    gates = [s._gate for s, _, _ in items]
+    steps = [0] * len(items)
+    live = [i for i, (s, _, _) in enumerate(items) if not _failed(errors, i, s._check_live)]
+    try:
+        for j in range(1 + max((len(items[i][1]) for i in live), default=0)):
+            todo = [i for i in live if errors[i] is None and j <= len(items[i][1])]
+            batch = []
+            for i in todo:
+                s, _, row0 = items[i]
+                if gates[i] is not None or s._matcher.is_terminated():
+                    s._fill_row(gates[i], bitmask, row0 + j)
+                else:
+                    batch.append(i)
+            if len(batch) > 1:
+                try:
+                    batcher.batch_fill_next_token_bitmask([items[i][0]._matcher for i in batch], bitmask,
+                                                          [items[i][2] + j for i in batch])
+                    batch = []
+                except Exception:        # find the culprit: one at a time
+                    pass
+            for i in batch:
+                s, _, row0 = items[i]
+                _failed(errors, i, lambda: s._matcher.fill_next_token_bitmask(bitmask, row0 + j))
+            for i in todo:
+                s, drafts, _ = items[i]
+                if errors[i] is not None or j == len(drafts):
+                    continue
+                token = int(drafts[j])
+                if gates[i] is not None:
+                    gates[i] = s._advance_gate(gates[i], token)
+                elif s._matcher.is_terminated() or not s._matcher.accept_token(token):
+                    errors[i] = GrammarError(s.guide.spec.kind, f"draft {token} was admitted before the "
+                                                                f"step and refused after it")
+                else:
+                    steps[i] += 1
+    finally:
+        for i, (s, _, _) in enumerate(items):
+            if steps[i] and not s.released:
+                _failed(errors, i, lambda: s._matcher.rollback(steps[i]))
+    return errors
+
+
+def _failed(errors: list[Exception | None], i: int, fn: Any) -> bool:
+    try:
+        fn()
+        return False
+    except Exception as e:
+        errors[i] = errors[i] or e
+        return True

@@ -1,0 +1,138 @@
+"""Where a decode step's time goes on the GPU: the graph replay alone (CUDA events), the runtime's
+whole step around it, and the kernels of one uncaptured static step by CUDA time (torch.profiler).
+
+    PYTHONPATH=. python benchmarks/profile_step.py [--preset medium] [--batches 1,32,128]
+        [--ctx 256] [--q 1] [--top 18] [--json OUT]
+
+The medium preset is built on the device with random weights (as benchmarks/e2e.py does). Each
+batch gets a GraphSession over caches filled by a prefill of `ctx` tokens per sequence; then
+  replay_ms   median GPU time of one replay of the (batch, q) graph,
+  step_ms     median wall time of GraphSession.verify + argmax + .tolist() (host work included),
+  kernels     the top kernels of one uncaptured static step (the same kernels), by CUDA time.
+For the roofline of these steps see benchmarks/e2e.py; this script only says where time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from k3trt.config import ModelConfig
+from k3trt.model.loader import build_model
+from k3trt.model.presets import preset_config
+from k3trt.model.weights import init_random_
+from k3trt.runtime.engine import Seq, make_batch
+from k3trt.runtime.graphs import GraphSession
+from k3trt.runtime.kv_cache import plan_cache
+
+log = logging.getLogger("profile_step")
+VOCAB = 129408
+BLOCK = 64
+
+
+def session_for(model, batch: int, q: int, ctx: int) -> tuple[GraphSession, list]:
+    cfg = model.cfg
+    max_len = ctx + 64
+    plan = plan_cache(cfg, budget_bytes=8 << 30, block_size=BLOCK, max_live=batch, max_model_len=max_len,
+                      kv_dtype=torch.bfloat16, state_dtype=torch.bfloat16, max_q=q if q > 1 else 0)
+    s = GraphSession(model, cfg, plan, device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                     max_q=q if q > 1 else 0, capacities=(batch,), q_values=(q,), max_blocks=-(-max_len // BLOCK))
+    per = -(-max_len // BLOCK)
+    blocks = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):                       # prefill one sequence at a time (eager)
+        toks = torch.randint(1, VOCAB, (ctx,), generator=g).tolist()
+        s.prefill(make_batch([Seq(toks, 0, blocks[i], i, 1)], BLOCK, capacity=ctx))
+    torch.cuda.synchronize()
+    seqs = [Seq(torch.randint(1, VOCAB, (q,), generator=g).tolist(), ctx, blocks[i], i, q) for i in range(batch)]
+    return s, seqs
+
+
+def profile(model, batch: int, q: int, ctx: int, top: int) -> dict:
+    s, seqs = session_for(model, batch, q, ctx)
+    b = make_batch(seqs, BLOCK, capacity=batch, save_kda_states=q > 1)
+    st = s.steps[(batch, q)]
+    for _ in range(3):
+        s.verify(b)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        st.graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    walls = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        s.verify(b).argmax(-1).tolist()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    # the same step uncaptured, under the profiler: kernels by name
+    st_graph, st.graph = st.graph, None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        s.verify(b)
+        torch.cuda.synchronize()
+    st.graph = st_graph
+    by = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = by[e.name[:90]]
+            k[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+            k[1] += 1
+    total = sum(v[0] for v in by.values())
+    kernels = sorted(([n, round(v[0], 4), v[1]] for n, v in by.items()), key=lambda r: -r[1])
+    out = {"batch": batch, "q": q, "ctx": ctx, "replay_ms": round(statistics.median(times), 4),
+           "step_ms": round(statistics.median(walls), 4), "profiled_kernel_ms": round(total, 4),
+           "kernel_launches": sum(v[1] for v in by.values()), "top_kernels": kernels[:top]}
+    del s, st, st_graph
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--q", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("k3trt.runtime.kv_cache", "k3trt.runtime.engine", "k3trt.runtime.graphs"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cfg = ModelConfig.from_dict(preset_config(args.preset, VOCAB))
+    t0 = time.perf_counter()
+    model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
+    init_random_(model, 0, device="cuda")
+    log.info("%s model on the GPU in %.1fs", args.preset, time.perf_counter() - t0)
+    doc = {"command": "python benchmarks/profile_step.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json"),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for b in [int(x) for x in args.batches.split(",")]:
+        try:
+            r = profile(model, b, args.q, args.ctx, args.top)
+        except Exception as e:                                   # keep going: device time is scarce
+            log.exception("batch %d failed", b)
+            r = {"batch": b, "error": f"{type(e).__name__}: {e}"}
+        doc["rows"].append(r)
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=1))
+        if "error" in r:
+            continue
+        print(f"\nbatch {b} q {args.q} ctx {args.ctx}: replay {r['replay_ms']} ms, step {r['step_ms']} ms, "
+              f"profiled kernels {r['profiled_kernel_ms']} ms in {r['kernel_launches']} launches")
+        for name, ms, n in r["top_kernels"]:
+            print(f"  {ms:9.4f} ms {n:5d}x  {name}")
+
+
+if __name__ == "__main__":
+    main()

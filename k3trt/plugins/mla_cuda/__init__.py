@@ -1,0 +1,150 @@
+"""SM90 CUDA kernel for K3's memory-bound MLA verification (issue 11), JIT-built at first use.
+
+    from k3trt.plugins.mla_cuda import mla_verify_cuda
+    out, lse = mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale,
+                               kv_scale=1.0, d_v=512, num_splits=None)
+
+Same semantics as ``mla_verify_ref`` (k3trt/plugins/mla_verify.py) without DCP or the sparse
+policy, for the case the kernel is built for: q bf16 [B·Q, H, 576], d_v = 512, a contiguous paged
+cache [pages, 64, 576] in bf16 or float8_e4m3fn (value = fp8 · kv_scale), int32 block table and
+lengths. Any head count works (the Q·H folded rows are cut into 64-row tiles, one CTA each per
+split). ``num_splits`` None picks the split-K count that fills the GPU's SMs (plans.choose_splits,
+one CTA per SM); splits > 1 write fp32 partials to scratch ([rows, splits, 512], as mla_triton) and
+a merge kernel combines them by LSE.
+
+The design (mla_verify_sm90.cu's header has the details): per CTA one request's 64 rows × one
+split; two consumer warpgroups share each 64-token block, each computing the scores of its 32
+tokens (wgmma 64x32, Q resident in shared memory) and accumulating its own 256 of the 512 output
+columns (64x256 fp32 per warpgroup); TMA streams the pages through a two-stage ring of 72 KB
+blocks with one mbarrier per 8 KB chunk; the warpgroups reload the chunks they were the last to
+read, so one block is always in flight behind the one being computed.
+
+Build: torch.utils.cpp_extension.load with nvcc for sm_90a (``-gencode=arch=compute_90a,
+code=sm_90a``: wgmma needs the "a" target). The build is cached by torch under
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+PAGE, D_QK, D_V = 64, 576, 512
+MIN_SPLIT_BLOCKS = 4  # a request shorter than splits·4 pages spreads over fewer splits
+_DIR = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ("binding.cpp", "mla_verify_sm90.cu")
+CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
+              "-Xptxas=-v"]
+_TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out"}
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension(verbose: bool = False):
+    """JIT-build (or load the cached build of) the extension; raises on a compiler error."""
+    from torch.utils.cpp_extension import load
+
+    t0 = time.time()
+    mod = load(name="k3trt_mla_sm90", sources=[os.path.join(_DIR, s) for s in SOURCES],
+               extra_cuda_cflags=CUDA_FLAGS, extra_cflags=["-O3"],
+               extra_include_paths=[_DIR], verbose=verbose)
+    log.info("mla_cuda: extension ready in %.1fs", time.time() - t0)
+    return mod
+
+
+def unsupported(q, kv_cache, block_table, seq_lens, d_v) -> str | None:
+    """Why the kernel cannot take this call (None when it can)."""
+    if not q.is_cuda:
+        return "q not on CUDA"
+    if q.dtype != torch.bfloat16:
+        return f"q dtype {q.dtype} (bf16 only)"
+    if q.dim() != 3 or q.shape[2] != D_QK or d_v != D_V:
+        return f"q {tuple(q.shape)}, d_v {d_v} (need width 576, d_v 512)"
+    if kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (PAGE, D_QK):
+        return f"kv_cache {tuple(kv_cache.shape)} (need [pages, 64, 576])"
+    if kv_cache.dtype not in (torch.bfloat16, FP8):
+        return f"kv dtype {kv_cache.dtype}"
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        return "block_table / seq_lens not int32"
+    if not (q.is_contiguous() and kv_cache.is_contiguous() and seq_lens.is_contiguous()
+            and block_table.stride(-1) == 1):
+        return "non-contiguous input"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"device capability {torch.cuda.get_device_capability(q.device)} (sm_90 only)"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=16)
+def _err_buffer(index: int) -> torch.Tensor:
+    return torch.zeros(4, dtype=torch.int32, device=f"cuda:{index}")
+
+
+def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0) -> int:
+    from ..plans import choose_splits
+
+    m_tiles = -(-q_per_req * heads // 64)
+    return choose_splits(max(1, batch * m_tiles), _num_sms(device_index))
+
+
+def kernel_error(device=None) -> dict | None:
+    """The first in-kernel timeout since the last reset (syncs), or None. A timeout means the
+    pipeline lost a TMA completion: results of that call are garbage."""
+    index = torch.device(device or "cuda").index or 0
+    err = _err_buffer(index).tolist()
+    if err[0] == 0:
+        return None
+    return {"what": _TIMEOUT_NAMES.get(err[0], f"code {err[0]}"), "block": err[1],
+            "chunk": err[2], "parity": err[3]}
+
+
+def reset_kernel_error(device=None) -> None:
+    _err_buffer(torch.device(device or "cuda").index or 0).zero_()
+
+
+def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0,
+                    d_v=512, num_splits=None, *, out=None, lse=None, poison_scratch=False,
+                    min_split_blocks=MIN_SPLIT_BLOCKS):
+    """out [B·Q, H, 512] bf16, lse [B·Q, H] fp32 (see the module docstring). Tests pass NaN-filled
+    `out` / `lse` and `poison_scratch` to prove every element is written and no unwritten partial
+    is read."""
+    reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
+    if reason:
+        raise ValueError(f"mla_verify_cuda: unsupported call: {reason}")
+    batch, heads = block_table.shape[0], q.shape[1]
+    if q.shape[0] != batch * q_per_req or seq_lens.shape != (batch,):
+        raise ValueError(f"mla_verify_cuda: {q.shape[0]} query rows, {batch} block-table rows, "
+                         f"seq_lens {tuple(seq_lens.shape)}, q_per_req {q_per_req} disagree")
+    index = q.device.index or 0
+    if num_splits is None:
+        num_splits = default_splits(batch, q_per_req, heads, index)
+    num_splits = max(1, int(num_splits))
+    if out is None:
+        out = torch.empty(batch * q_per_req, heads, D_V, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch * q_per_req, heads, dtype=torch.float32, device=q.device)
+    rows = batch * q_per_req * heads
+    if rows == 0:
+        return out, lse
+    if num_splits > 1:
+        alloc = torch.full if poison_scratch else torch.empty
+        fill = (float("nan"),) if poison_scratch else ()
+        part_o = alloc((rows, num_splits, D_V), *fill, dtype=torch.float32, device=q.device)
+        part_lse = alloc((rows, num_splits), *fill, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = lse  # unused
+    mod = load_extension()
+    mod.forward(q, kv_cache, block_table, seq_lens, int(q_per_req), float(softmax_scale),
+                float(kv_scale), num_splits, int(min_split_blocks), out, lse, part_o, part_lse,
+                _err_buffer(index), torch.cuda.current_stream(q.device).cuda_stream)
+    return out, lse

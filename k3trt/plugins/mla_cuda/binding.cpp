@@ -1,0 +1,71 @@
+// Torch binding of the SM90 MLA verification kernel (mla_verify_sm90.cu). Python allocates every
+// buffer (so tests can poison them) and passes the CUDA stream; this file only checks and launches.
+#include <torch/extension.h>
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "mla_verify_sm90.h"
+
+static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                    torch::Tensor seq_lens, int64_t q_per_req, double softmax_scale,
+                    double kv_scale, int64_t num_splits, int64_t min_split_blocks,
+                    torch::Tensor out, torch::Tensor lse, torch::Tensor part_o,
+                    torch::Tensor part_lse, torch::Tensor err, int64_t stream) {
+  TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kBFloat16 && q.is_contiguous(),
+              "q must be contiguous bf16 on CUDA");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 576, "q must be [B*Q, H, 576]");
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == 64 && kv_cache.size(2) == 576 &&
+                  kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [pages, 64, 576]");
+  const bool fp8 = kv_cache.element_size() == 1;
+  TORCH_CHECK(fp8 || kv_cache.scalar_type() == torch::kBFloat16, "kv_cache must be bf16 or fp8");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0, "kv_cache not 16-aligned");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "block_table must be int32 [B, pages] with unit inner stride");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.size(-1) == 512,
+              "out must be contiguous bf16 [.., 512]");
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous(), "lse must be fp32");
+  TORCH_CHECK(err.scalar_type() == torch::kInt32 && err.numel() >= 4, "err must be int32[4]");
+  const int batch = static_cast<int>(block_table.size(0));
+  TORCH_CHECK(q.size(0) == batch * q_per_req, "q rows != batch * q_per_req");
+  if (num_splits > 1) {
+    TORCH_CHECK(part_o.scalar_type() == torch::kFloat32 && part_lse.scalar_type() == torch::kFloat32,
+                "split scratch must be fp32");
+    TORCH_CHECK(part_o.numel() >= q.size(0) * q.size(1) * num_splits * 512 &&
+                    part_lse.numel() >= q.size(0) * q.size(1) * num_splits,
+                "split scratch too small");
+  }
+  k3mla::LaunchArgs a;
+  a.q = q.data_ptr();
+  a.kv = kv_cache.data_ptr();
+  a.num_pages = kv_cache.size(0);
+  a.kv_fp8 = fp8;
+  a.block_table = block_table.data_ptr<int>();
+  a.bt_stride = static_cast<int>(block_table.stride(0));
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.batch = batch;
+  a.q_per_req = static_cast<int>(q_per_req);
+  a.heads = static_cast<int>(q.size(1));
+  a.num_splits = static_cast<int>(num_splits);
+  a.min_split_blocks = static_cast<int>(min_split_blocks);
+  a.softmax_scale = static_cast<float>(softmax_scale);
+  a.kv_scale = static_cast<float>(kv_scale);
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.part_o = num_splits > 1 ? part_o.data_ptr<float>() : nullptr;
+  a.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+  a.err = err.data_ptr<int>();
+  if (batch == 0 || q.size(1) == 0) return;
+  char msg[256] = {0};
+  const int rc = k3mla::launch(a, reinterpret_cast<cudaStream_t>(stream), msg, sizeof(msg));
+  TORCH_CHECK(rc == 0, "mla_verify_sm90: ", std::string(msg));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "k3trt MLA verification, SM90 kernel (+ split merge)");
+}

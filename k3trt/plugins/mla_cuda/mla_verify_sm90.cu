@@ -1,0 +1,676 @@
+// SM90 (Hopper, sm_90a) kernel for k3trt::mla_verify's memory-bound case: K3 MLA verification,
+// 576-wide latent rows (512 value columns + 64 rope), one shared latent KV head, paged cache with
+// 64-token pages, the Q·H query rows of a request folded into 64-row M tiles.
+//
+// One CTA = (M tile of one request, split of its KV sequence); 256 threads = two consumer
+// warpgroups, no producer warp (each warpgroup issues the TMA loads of the chunks it is the last
+// reader of). Shared memory (230 KB): Q resident (64x576 bf16 = 72 KB, nine 64-column chunks in
+// the 128-byte-swizzled K-major layout), a two-stage ring of 64-token KV blocks (2 x 72 KB, each
+// block = nine [64 tokens x 64 columns] chunks with one mbarrier each, loaded by TMA with 128B
+// swizzle straight into the wgmma layout), the 64x64 P tile (8 KB) and row statistics.
+//
+// Per 64-token block i (both warpgroups on the same block):
+//   1. wait for the own P·V of block i-1 (wgmma.wait_group 0), then issue the TMA loads of block
+//      i+1 into the stage block i-1 used: warpgroup 0 reloads value chunks 0..3 and the rope
+//      chunk, warpgroup 1 value chunks 4..7, each right after its own last read of them, so no
+//      empty-barrier round trip is needed and one block is always in flight behind the current.
+//   2. S_w = Q · K[tokens 32w..32w+31]^T over all 576 columns: 36 wgmma m64n32k16 per warpgroup,
+//      issued chunk by chunk as the chunks land.
+//   3. masked row max over the own 32 tokens -> shared memory, named barrier, combine with the
+//      other warpgroup's (the only cross-warpgroup exchange of the step), exp2, P (bf16) into the
+//      shared P tile, rescale the own 64x256 fp32 accumulator (128 registers per thread).
+//   4. named barrier, then O_w += P[64x64] · V[64 tokens, columns 256w..256w+255]: 4 wgmma
+//      m64n256k16 (B N-major from the same swizzled chunks), left in flight until step 1.
+// The epilogue writes O (bf16) and LSE, or with split-K fp32 partials + LSE per split that
+// mla_merge_splits_kernel combines (the scratch layout of mla_triton: [rows, splits, d_v]).
+//
+// fp8-e4m3 cache (per-tensor scale): TMA brings each 64x64 fp8 chunk into the upper half of its
+// 8 KB slot; once a block has landed, both warpgroups expand it in place to fp16 (registers in
+// between) and the same fp16 wgmma path runs (Q converted to fp16 once, pre-scaled by 1/16).
+//
+// Every mbarrier wait is bounded (MLA_WAIT_TIMEOUT_NS): on a timeout the kernel records a code in
+// `err` and carries on with garbage instead of hanging the GPU, so a broken pipeline shows up as a
+// readable error, not a stuck process.
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cstdint>
+#include <cstdio>
+
+#include "mla_verify_sm90.h"
+#include "wgmma_ops.cuh"
+
+#ifndef MLA_WAIT_TIMEOUT_NS
+#define MLA_WAIT_TIMEOUT_NS 500000000ull  // 0.5 s
+#endif
+
+namespace k3mla {
+
+constexpr int kPage = 64;                 // tokens per page = per block
+constexpr int kD = 576;                   // latent width (kv_c | rope)
+constexpr int kDV = 512;                  // value columns
+constexpr int kChunks = kD / 64;          // 9 chunks of 64 columns
+constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
+constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
+constexpr int kThreads = 256;
+
+// shared-memory map (offsets from a 1024-aligned base)
+constexpr int kSmemQ = 0;
+constexpr int kSmemKV = kBlockBytes;                  // 2 stages
+constexpr int kSmemP = kSmemKV + 2 * kBlockBytes;     // 64x64 16-bit, swizzled
+constexpr int kSmemMax = kSmemP + kChunkBytes;        // float [2][64]
+constexpr int kSmemSum = kSmemMax + 2 * 64 * 4;       // float [2][64]
+constexpr int kSmemBar = kSmemSum + 2 * 64 * 4;       // 2 x 9 mbarriers
+constexpr int kSmemUsed = kSmemBar + 2 * kChunks * 8;
+constexpr int kSmemAlloc = kSmemUsed + 1024;          // slack for aligning the base
+static_assert(kSmemAlloc <= 232448, "shared memory over the sm_90 limit");
+
+struct Params {
+  const void* q;          // [B*Q, H, 576] bf16
+  const int* block_table; // [B, bt_stride] int32
+  const int* seq_lens;    // [B] int32
+  void* out;              // [B*Q, H, 512] bf16 (num_splits == 1)
+  float* lse;             // [B*Q*H] fp32     (num_splits == 1)
+  float* part_o;          // [B*Q*H, splits, 512] fp32 (num_splits > 1)
+  float* part_lse;        // [B*Q*H, splits] fp32      (num_splits > 1)
+  int* err;               // [4] int32: timeout code, block, chunk, parity of the first timeout
+  int bt_stride;
+  int q_per_req;
+  int heads;
+  int rows_per_req;       // q_per_req * heads
+  int num_splits;
+  int min_split_blocks;
+  float scale_log2;       // softmax_scale * kv_scale * log2(e) (/ q pre-scale on the fp8 path)
+  float out_scale;        // kv_scale
+};
+
+// ----------------------------------------------------------------------------------------------
+// PTX helpers
+// ----------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+// Bounded wait: on a timeout record (code, a, b, parity) in err once and return (never hang).
+__device__ __forceinline__ void mbar_wait_slow(uint32_t bar, uint32_t parity, int* err, int code,
+                                            int a, int b) {
+  const uint64_t t0 = globaltimer();
+  while (!mbar_try_wait(bar, parity)) {
+    if (*reinterpret_cast<volatile int*>(err) != 0) return;  // another thread timed out: bail
+    if (globaltimer() - t0 > MLA_WAIT_TIMEOUT_NS) {
+      if (atomicCAS(err, 0, code) == 0) {
+        err[1] = a;
+        err[2] = b;
+        err[3] = static_cast<int>(parity);
+      }
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* err, int code, int a,
+                                          int b) {
+  if (!mbar_try_wait(bar, parity)) mbar_wait_slow(bar, parity, err, code, a, b);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void named_bar(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// keeps the compiler from moving accumulator reads/writes across the async wgmma region
+__device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// wgmma shared-memory descriptor, 128-byte swizzle (start, leading and stride byte offsets)
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack2(float a, float b, bool f16) {
+  if (f16) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// byte offset of the 16-byte piece `piece` (0..7) of row `row` in a 64-row x 128-byte chunk laid
+// out with the 128-byte swizzle (what TMA SWIZZLE_128B writes and wgmma's 128B mode reads)
+__device__ __forceinline__ int sw128_off(int row, int piece) {
+  return row * 128 + ((piece ^ (row & 7)) << 4);
+}
+
+// 8 fp8-e4m3 (two u32) -> 8 fp16 (one uint4)
+__device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v16) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v16 & 0xFFFF),
+                                             __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+__device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
+  return make_uint4(e4m3x2_to_h2(lo), e4m3x2_to_h2(lo >> 16), e4m3x2_to_h2(hi),
+                    e4m3x2_to_h2(hi >> 16));
+}
+
+// ----------------------------------------------------------------------------------------------
+// the kernel
+// ----------------------------------------------------------------------------------------------
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_verify_sm90_kernel(const __grid_constant__ CUtensorMap kv_map, const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  const uint32_t sbase = smem_u32(smem);
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;          // consumer warpgroup 0 / 1
+  const int t = tid & 127;
+  const int lane = t & 31;
+  const int quad = lane & 3;
+  const int r0 = ((t >> 5) << 4) + (lane >> 2);  // accumulator rows r0, r0 + 8 of this thread
+
+  const int b = blockIdx.z;
+  const int split = blockIdx.y;
+  const int m0 = blockIdx.x * 64;   // first folded row (j*H + h) of this M tile
+  const int n = p.seq_lens[b];
+  const int nblk_all = (n + kPage - 1) / kPage;
+  int active = (nblk_all + p.min_split_blocks - 1) / p.min_split_blocks;
+  active = max(min(p.num_splits, active), 1);
+  const int per = (nblk_all + active - 1) / active;
+  const int blo = split * per;
+  const int nblk = max(min(blo + per, nblk_all) - blo, 0);
+  const bool split_out = p.num_splits > 1;
+  const long row_base = static_cast<long>(b) * p.rows_per_req + m0;  // global row of local row 0
+
+  if (nblk == 0) {  // nothing to read: lse = -inf (and out = 0 without split-K)
+    for (int r = tid; r < 64; r += kThreads) {
+      if (m0 + r < p.rows_per_req) {
+        if (split_out) p.part_lse[(row_base + r) * p.num_splits + split] = -INFINITY;
+        else p.lse[row_base + r] = -INFINITY;
+      }
+    }
+    if (!split_out) {
+      __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
+      for (int i = tid; i < 64 * (kDV / 8); i += kThreads) {
+        const int r = i / (kDV / 8);
+        if (m0 + r < p.rows_per_req)
+          *reinterpret_cast<uint4*>(out + (row_base + r) * kDV + (i % (kDV / 8)) * 8) =
+              make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
+
+  const uint32_t bar0 = sbase + kSmemBar;  // full barrier of (stage s, chunk c): bar0 + 8*(9s+c)
+  if (tid == 0) {
+    for (int i = 0; i < 2 * kChunks; ++i) mbar_init(bar0 + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  const int* bt = p.block_table + static_cast<long>(b) * p.bt_stride + blo;
+  // TMA loads of block `i` into stage i&1: warpgroup 0 chunks 0..3 and 8, warpgroup 1 chunks 4..7
+  auto issue_block = [&](int i, int page) {
+    const int stage = i & 1;
+    const int c_lo = wg * 4;
+    const int cnt = wg == 0 ? 5 : 4;
+    for (int k = 0; k < cnt; ++k) {
+      const int c = k < 4 ? c_lo + k : 8;
+      const uint32_t bar = bar0 + 8 * (stage * kChunks + c);
+      const uint32_t dst =
+          sbase + kSmemKV + stage * kBlockBytes + c * kChunkBytes + (kFp8 ? kChunkBytes / 2 : 0);
+      mbar_expect_tx(bar, kFp8 ? kChunkBytes / 2 : kChunkBytes);
+      tma_load_2d(dst, &kv_map, c * 64, page * kPage, bar);
+    }
+  };
+  // page ids are read one block ahead (by the issuing threads only), so the table load's latency
+  // never sits between a stage becoming free and its refill
+  int next_page = 0;
+  if (t == 0) {
+    issue_block(0, __ldg(bt));
+    if (nblk > 1) next_page = __ldg(bt + 1);
+  }
+
+  // ---- Q tile -> shared memory (zero rows past the request's rows) -----------------------------
+  {
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
+    for (int i = tid; i < 64 * (kD / 8); i += kThreads) {
+      const int r = i / (kD / 8);
+      const int pc = i % (kD / 8);  // 16-byte piece of the row: chunk pc/8, piece pc%8
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m0 + r < p.rows_per_req)
+        v = __ldg(reinterpret_cast<const uint4*>(q + (row_base + r) * kD + pc * 8));
+      if (kFp8) {  // bf16 -> fp16, pre-scaled by 1/16 (folded into scale_log2)
+        uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          __nv_bfloat162 bb = *reinterpret_cast<__nv_bfloat162*>(&w[e]);
+          float2 f = __bfloat1622float2(bb);
+          w[e] = pack2(f.x * 0.0625f, f.y * 0.0625f, true);
+        }
+        v = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      *reinterpret_cast<uint4*>(smem + kSmemQ + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7)) = v;
+    }
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  // visible length of this thread's two rows (row m = j*H + h sees n - (Q-1-j) tokens)
+  int vis[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + r0 + 8 * h;
+    vis[h] = m < p.rows_per_req ? max(n - (p.q_per_req - 1 - m / p.heads), 0) : 0;
+  }
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // this thread's partial sums (reduced over the quad at the end)
+  float* smax = reinterpret_cast<float*>(smem + kSmemMax);
+  float* ssum = reinterpret_cast<float*>(smem + kSmemSum);
+
+#pragma unroll 1
+  for (int i = 0; i < nblk; ++i) {
+    const int stage = i & 1;
+    const uint32_t parity = (i >> 1) & 1;
+    const uint32_t kv = sbase + kSmemKV + stage * kBlockBytes;
+
+    // 1. own P·V of block i-1 done -> its stage is free for block i+1 (own chunks only)
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < 128; ++k) pin(acc[k]);
+    if (t == 0 && i + 1 < nblk) {
+      issue_block(i + 1, next_page);
+      if (i + 2 < nblk) next_page = __ldg(bt + i + 2);
+    }
+
+    // (fp8) expand the landed block in place: fp8 in the upper 4 KB of each slot -> fp16 slot
+    if (kFp8) {
+      for (int c = 0; c < kChunks; ++c)
+        mbar_wait(bar0 + 8 * (stage * kChunks + c), parity, p.err, 1, blo + i, c);
+      uint4 raw[9];
+#pragma unroll
+      for (int k = 0; k < 9; ++k) {  // piece = tid + 256k of 2304: chunk, row, 16-byte column
+        const int pc = tid + kThreads * k;
+        const int c = pc >> 8, r = (pc >> 2) & 63, col = pc & 3;
+        raw[k] = *reinterpret_cast<const uint4*>(smem + kSmemKV + stage * kBlockBytes +
+                                                 c * kChunkBytes + kChunkBytes / 2 + r * 64 +
+                                                 col * 16);
+      }
+      named_bar(3, kThreads);
+#pragma unroll
+      for (int k = 0; k < 9; ++k) {
+        const int pc = tid + kThreads * k;
+        const int c = pc >> 8, r = (pc >> 2) & 63, col = pc & 3;
+        uint8_t* chunk = smem + kSmemKV + stage * kBlockBytes + c * kChunkBytes;
+        *reinterpret_cast<uint4*>(chunk + sw128_off(r, 2 * col)) = e4m3x8_to_h8(raw[k].x, raw[k].y);
+        *reinterpret_cast<uint4*>(chunk + sw128_off(r, 2 * col + 1)) =
+            e4m3x8_to_h8(raw[k].z, raw[k].w);
+      }
+      fence_proxy_async();
+      named_bar(3, kThreads);
+    }
+
+    // 2. S = Q · K^T for this warpgroup's 32 tokens of the block
+    float s[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) s[k] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (!kFp8) mbar_wait(bar0 + 8 * (stage * kChunks + c), parity, p.err, 1, blo + i, c);
+      const uint32_t qa = sbase + kSmemQ + c * kChunkBytes;
+      const uint32_t kb = kv + c * kChunkBytes + wg * 32 * 128;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t da = sw128_desc(qa + 32 * k, 16, 1024);
+        const uint64_t db = sw128_desc(kb + 32 * k, 16, 1024);
+        if (kFp8) wgmma_m64n32k16_f16_nn(s, da, db, (c | k) != 0);
+        else wgmma_m64n32k16_bf16_nn(s, da, db, (c | k) != 0);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < 16; ++k) pin(s[k]);
+
+    // 3. mask, scale, row max over own tokens; exchange with the other warpgroup
+    const int tok0 = (blo + i) * kPage + wg * 32;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int pos = tok0 + 8 * j + 2 * quad + e;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = s[4 * j + 2 * h + e] * p.scale_log2;
+          v = pos < vis[h] ? v : -INFINITY;
+          s[4 * j + 2 * h + e] = v;
+          mx[h] = fmaxf(mx[h], v);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+    }
+    if (quad == 0) {
+      smax[wg * 64 + r0] = mx[0];
+      smax[wg * 64 + r0 + 8] = mx[1];
+    }
+    named_bar(1, kThreads);
+    float alpha[2], muse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other = smax[(wg ^ 1) * 64 + r0 + 8 * h];
+      const float mnew = fmaxf(row_max[h], fmaxf(mx[h], other));
+      muse[h] = mnew == -INFINITY ? 0.f : mnew;
+      alpha[h] = fast_exp2(row_max[h] - muse[h]);
+      row_max[h] = mnew;
+    }
+    // P = exp2(s - m) -> shared P tile (K-major, 128B swizzle: row r, token = 32*wg + 8j + 2q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] *= alpha[h];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = fast_exp2(s[4 * j + 2 * h] - muse[h]);
+        const float p1 = fast_exp2(s[4 * j + 2 * h + 1] - muse[h]);
+        row_sum[h] += p0 + p1;
+        const int r = r0 + 8 * h;
+        *reinterpret_cast<uint32_t*>(smem + kSmemP + sw128_off(r, wg * 4 + j) + quad * 4) =
+            pack2(p0, p1, kFp8);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 128; ++k) acc[k] *= alpha[(k >> 1) & 1];
+
+    // tokens past the length in the last block: zero their value rows (the cache may hold NaN
+    // there, and 0 * NaN would poison the P·V product); each warpgroup zeroes its own columns
+    const int valid = n - (blo + i) * kPage;
+    if (valid < kPage) {
+      uint8_t* vbase = smem + kSmemKV + stage * kBlockBytes + wg * 4 * kChunkBytes;
+      const int rows = kPage - valid;
+      for (int x = t; x < rows * 32; x += 128) {  // 4 chunks x 8 pieces per row
+        const int r = valid + (x >> 5);
+        const int c = (x >> 3) & 3;
+        *reinterpret_cast<uint4*>(vbase + c * kChunkBytes + r * 128 + (x & 7) * 16) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+    fence_proxy_async();
+    named_bar(2, kThreads);
+
+    // 4. O_w += P · V[:, 256w .. 256w+255]  (left in flight until the next step's wait)
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 128; ++k) pin(acc[k]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t da = sw128_desc(sbase + kSmemP + 32 * k, 16, 1024);
+      const uint64_t db = sw128_desc(kv + wg * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024);
+      if (kFp8) wgmma_m64n256k16_f16_tn(acc, da, db, 1);
+      else wgmma_m64n256k16_bf16_tn(acc, da, db, 1);
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int k = 0; k < 128; ++k) pin(acc[k]);
+
+  // ---- epilogue: total row sums, normalise, write ---------------------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
+  }
+  if (quad == 0) {
+    ssum[wg * 64 + r0] = row_sum[0];
+    ssum[wg * 64 + r0 + 8] = row_sum[1];
+  }
+  named_bar(1, kThreads);
+  float inv[2], lse[2];
+  bool seen[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = ssum[r0 + 8 * h] + ssum[64 + r0 + 8 * h];
+    seen[h] = l > 0.f;
+    inv[h] = seen[h] ? p.out_scale / l : 0.f;
+    lse[h] = seen[h] ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (m0 + r >= p.rows_per_req) continue;
+    const long g = row_base + r;
+    if (split_out) {
+      if (wg == 0 && quad == 0) p.part_lse[g * p.num_splits + split] = lse[h];
+      if (seen[h]) {  // an unseen partial is never read back (its lse is -inf)
+        float* dst = p.part_o + (g * p.num_splits + split) * kDV + wg * 256 + 2 * quad;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j) =
+              make_float2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h]);
+      }
+    } else {
+      if (wg == 0 && quad == 0) p.lse[g] = lse[h];
+      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.out) + g * kDV + wg * 256 + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false);
+    }
+  }
+}
+
+// LSE merge of the split partials: one CTA of 128 threads per row, 4 columns per thread.
+__global__ void __launch_bounds__(128)
+    mla_merge_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                            __nv_bfloat16* __restrict__ out, float* __restrict__ lse, int splits) {
+  const long row = blockIdx.x;
+  const float* l = part_lse + row * splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, l[s]);
+  const int col = threadIdx.x * 4;
+  if (mx == -INFINITY) {
+    *reinterpret_cast<uint2*>(out + row * kDV + col) = make_uint2(0, 0);
+    if (threadIdx.x == 0) lse[row] = -INFINITY;
+    return;
+  }
+  float total = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < splits; ++s) {
+    const float ls = l[s];
+    if (ls == -INFINITY) continue;
+    const float w = __expf(ls - mx);
+    total += w;
+    const float4 o = *reinterpret_cast<const float4*>(part_o + (row * splits + s) * kDV + col);
+    acc.x += w * o.x;
+    acc.y += w * o.y;
+    acc.z += w * o.z;
+    acc.w += w * o.w;
+  }
+  const float inv = 1.f / total;
+  __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(out + row * kDV + col) =
+      make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&c));
+  if (threadIdx.x == 0) lse[row] = mx + __logf(total);
+}
+
+// ----------------------------------------------------------------------------------------------
+// host side
+// ----------------------------------------------------------------------------------------------
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiledFn get_encode_fn(char* msg, size_t msg_len) {
+  static EncodeTiledFn fn = nullptr;
+  if (fn) return fn;
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                   cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || ptr == nullptr) {
+    snprintf(msg, msg_len, "cuTensorMapEncodeTiled not found (cuda error %d, query %d)",
+             static_cast<int>(e), static_cast<int>(q));
+    return nullptr;
+  }
+  fn = reinterpret_cast<EncodeTiledFn>(ptr);
+  return fn;
+}
+
+// Returns 0 on success, else writes a message into msg.
+int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) {
+  EncodeTiledFn encode = get_encode_fn(msg, msg_len);
+  if (!encode) return 1;
+  CUtensorMap map;
+  const int elem = a.kv_fp8 ? 1 : 2;
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(a.num_pages) * kPage};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(kD) * elem};
+  cuuint32_t box[2] = {64, 64};
+  cuuint32_t estr[2] = {1, 1};
+  CUresult r = encode(&map, a.kv_fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                      2, const_cast<void*>(a.kv), dims, strides, box, estr,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      a.kv_fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    snprintf(msg, msg_len, "cuTensorMapEncodeTiled failed with CUresult %d", static_cast<int>(r));
+    return 1;
+  }
+  Params p;
+  p.q = a.q;
+  p.block_table = a.block_table;
+  p.seq_lens = a.seq_lens;
+  p.out = a.out;
+  p.lse = a.lse;
+  p.part_o = a.part_o;
+  p.part_lse = a.part_lse;
+  p.err = a.err;
+  p.bt_stride = a.bt_stride;
+  p.q_per_req = a.q_per_req;
+  p.heads = a.heads;
+  p.rows_per_req = a.q_per_req * a.heads;
+  p.num_splits = a.num_splits;
+  p.min_split_blocks = a.min_split_blocks;
+  const float log2e = 1.4426950408889634f;
+  p.scale_log2 = a.softmax_scale * a.kv_scale * log2e * (a.kv_fp8 ? 16.f : 1.f);
+  p.out_scale = a.kv_scale;
+
+  const int m_tiles = (p.rows_per_req + 63) / 64;
+  dim3 grid(m_tiles, a.num_splits, a.batch);
+  cudaError_t e;
+  if (a.kv_fp8) {
+    static bool attr = false;
+    if (!attr) {
+      e = cudaFuncSetAttribute(mla_verify_sm90_kernel<true>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc);
+      if (e != cudaSuccess) {
+        snprintf(msg, msg_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+        return 1;
+      }
+      attr = true;
+    }
+    mla_verify_sm90_kernel<true><<<grid, kThreads, kSmemAlloc, stream>>>(map, p);
+  } else {
+    static bool attr = false;
+    if (!attr) {
+      e = cudaFuncSetAttribute(mla_verify_sm90_kernel<false>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc);
+      if (e != cudaSuccess) {
+        snprintf(msg, msg_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+        return 1;
+      }
+      attr = true;
+    }
+    mla_verify_sm90_kernel<false><<<grid, kThreads, kSmemAlloc, stream>>>(map, p);
+  }
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    snprintf(msg, msg_len, "verify kernel launch: %s", cudaGetErrorString(e));
+    return 1;
+  }
+  if (a.num_splits > 1) {
+    const long rows = static_cast<long>(a.batch) * p.rows_per_req;
+    mla_merge_splits_kernel<<<static_cast<unsigned>(rows), 128, 0, stream>>>(
+        a.part_o, a.part_lse, reinterpret_cast<__nv_bfloat16*>(a.out), a.lse, a.num_splits);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) {
+      snprintf(msg, msg_len, "merge kernel launch: %s", cudaGetErrorString(e));
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace k3mla

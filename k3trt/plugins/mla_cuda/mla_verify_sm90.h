@@ -1,0 +1,25 @@
+// Host interface of the SM90 MLA verification kernel (shared by mla_verify_sm90.cu and binding.cpp).
+#pragma once
+#include <cuda_runtime.h>
+#include <cstddef>
+
+namespace k3mla {
+struct LaunchArgs {
+  const void* q;          // [B*Q, H, 576] bf16
+  const void* kv;         // [num_pages, 64, 576] bf16 or fp8-e4m3
+  long num_pages;
+  bool kv_fp8;
+  const int* block_table; // [B, bt_stride] int32
+  int bt_stride;
+  const int* seq_lens;    // [B] int32
+  int batch, q_per_req, heads, num_splits, min_split_blocks;
+  float softmax_scale, kv_scale;
+  void* out;              // [B*Q, H, 512] bf16
+  float* lse;             // [B*Q, H] fp32
+  float* part_o;          // [B*Q*H, splits, 512] fp32 (splits > 1)
+  float* part_lse;        // [B*Q*H, splits] fp32      (splits > 1)
+  int* err;               // int32[4], zero-initialised; see mla_verify_sm90.cu
+};
+// Launches the verification kernel (+ the split merge); 0 on success, else a message in msg.
+int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len);
+}  // namespace k3mla

@@ -1,0 +1,198 @@
+"""Static decode / verify steps: one CUDA graph per (batch capacity, rows per request).
+
+A decode step (Q = 1) and a verification step with K drafts each (Q = K + 1) have one shape per
+batch capacity once the batch is padded to it, so each (capacity, Q) is captured once and replayed
+with new inputs. Everything a replay reads lives in one packed int64 buffer on the device
+(``Layout``): one host-to-device copy per step, and the graph itself turns the views into the
+step's tensors, so no length of any one step is baked into a graph. Padding sequences see no
+tokens (length 0), write no cache row (slot -1), and run their KDA recurrence on a spare slot that
+no request owns.
+
+A verification step whose requests bring fewer drafts than the graph's Q - 1 (cut by max_tokens,
+a grammar, or an n-gram drafter that found fewer) pads each request's rows at its end (see
+``Layout.pack``) and then restores those requests' KDA state to their last real row. Prefill
+chunks, and batches larger than every captured capacity, run eagerly through TorchSession;
+``graph_stats`` counts each kind.
+
+``GraphSession(capture=False)`` runs the same padded static path without capturing (any device):
+the tests use it on the CPU to check the padding against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from k3trt.config import ModelConfig
+from k3trt.model.context import StepContext
+from k3trt.runtime.engine import Batch, TorchSession
+from k3trt.runtime.kv_cache import CachePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of one static step's inputs in its packed int64 buffer."""
+    S: int              # sequences (the capacity)
+    Q: int              # rows per sequence
+    max_blocks: int     # block-table width
+
+    @property
+    def T(self) -> int:
+        return self.S * self.Q
+
+    @property
+    def size(self) -> int:
+        return 5 * self.T + 3 * self.S + self.S * self.max_blocks
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        T, S = self.T, self.S
+        # rows / logit_rows are read after the replay (which rows to hand back); they travel with
+        # the inputs so that nothing is copied to the device while the graph runs (such a copy
+        # from pageable memory would wait for the whole step)
+        cut = [("input_ids", T), ("slot_mapping", T), ("positions", T), ("kda_slots", S), ("seq_lens", S),
+               ("fresh", S), ("rows", T), ("logit_rows", T), ("block_table", S * self.max_blocks)]
+        out, at = {}, 0
+        for name, n in cut:
+            out[name] = buf[at:at + n]
+            at += n
+        out["block_table"] = out["block_table"].view(S, self.max_blocks)
+        return out
+
+    def pack(self, batch: Batch, spare_slot: int, out: torch.Tensor) -> torch.Tensor:
+        """Write `batch` into the host buffer `out` [size], padded to S sequences of Q rows: sequence
+        i's rows at i·Q + j, a sequence with fewer rows (fewer drafts) padded at its end. Returns the
+        padded row of each of the batch's tokens (int64 [T]; also in the buffer's ``rows``, and those
+        of batch.logit_rows in its ``logit_rows``).
+
+        A padded row writes no cache row and reads as if all Q rows were written (row j sees
+        ctx + j + 1 tokens), so the real rows see exactly their own context; its KDA update runs
+        after the real rows', and the caller restores the state after the last real row."""
+        S, Q, n = self.S, self.Q, len(batch.q_lens)
+        q = torch.tensor(batch.q_lens, dtype=torch.int64)
+        if n > S or not all(1 <= x <= Q for x in batch.q_lens) or batch.block_table.shape[1] > self.max_blocks:
+            raise ValueError(f"static step S={S} Q={Q} max_blocks={self.max_blocks} cannot hold {n} sequences "
+                             f"of {sorted(set(batch.q_lens))} rows over {batch.block_table.shape[1]} blocks")
+        starts = torch.cumsum(q, 0) - q
+        rows = (torch.arange(n) * Q - starts).repeat_interleave(q) + torch.arange(batch.num_tokens)
+        v = self.views(out)
+        v["input_ids"].zero_()[rows] = batch.input_ids
+        v["slot_mapping"].fill_(-1)[rows] = batch.slot_mapping
+        ctx = torch.tensor(batch.ctx_lens, dtype=torch.int64)
+        v["positions"].zero_()[:n * Q] = (ctx[:, None] + torch.arange(Q)).flatten()
+        v["kda_slots"].fill_(spare_slot)[:n] = batch.kda_slots
+        v["seq_lens"].zero_()[:n] = ctx + Q
+        v["fresh"].fill_(1)[:n] = ctx == 0
+        table = v["block_table"].zero_()
+        table[:n, :batch.block_table.shape[1]] = batch.block_table
+        v["rows"].zero_()[:len(rows)] = rows
+        v["logit_rows"].zero_()[:len(batch.logit_rows)] = rows[batch.logit_rows]
+        return rows
+
+
+class StaticStep:
+    """One (S, Q) shape: its device input buffer, its outputs, and its graph when captured."""
+
+    def __init__(self, layout: Layout, device: torch.device):
+        self.layout = layout
+        self.dev = torch.zeros(layout.size, dtype=torch.int64, device=device)
+        self.host = torch.zeros(layout.size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+
+    def context(self) -> tuple[torch.Tensor, StepContext]:
+        """input_ids and the StepContext, as views of the device buffer (inside the graph)."""
+        L, v = self.layout, self.layout.views(self.dev)
+        ctx = StepContext((L.Q,) * L.S, (0,) * L.S, v["slot_mapping"], v["block_table"].to(torch.int32),
+                          v["kda_slots"], save_kda_states=L.Q > 1, dev_positions=v["positions"],
+                          dev_seq_lens=v["seq_lens"].to(torch.int32), dev_fresh=v["fresh"].bool())
+        return v["input_ids"], ctx
+
+
+class GraphSession(TorchSession):
+    """TorchSession whose uniform decode / verify steps replay captured graphs (module doc)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, plan: CachePlan, *, device: torch.device | str,
+                 dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0,
+                 capacities: tuple[int, ...], q_values: tuple[int, ...], max_blocks: int, capture: bool = True):
+        super().__init__(model, cfg, plan, device=device, dtype=dtype, kv_dtype=kv_dtype, kv_scale=kv_scale,
+                         max_q=max_q, spare_slots=1)
+        self.spare_slot = plan.num_slots            # the one slot past the cache manager's
+        self.capacities = tuple(capacities)
+        self.capture = capture and self.device.type == "cuda"
+        self.graph_stats: Counter = Counter()
+        self.steps = {(S, Q): StaticStep(Layout(S, Q, max_blocks), self.device)
+                      for S in capacities for Q in q_values if Q <= max(max_q, 1)}
+        if self.capture:
+            self._capture_all()
+
+    # ---------------------------------------------------------------------------------- capture
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        # largest first: later, smaller graphs reuse the pool's blocks
+        for (S, Q), st in sorted(self.steps.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
+            self._pack_padding(st)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(2):      # compiles the Triton kernels and settles the allocator
+                    self._run_static(st)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            st.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st.graph, pool=pool), torch.inference_mode():
+                self._run_static(st)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d step graphs (capacity x rows: %s) in %.1fs", len(self.steps),
+                 ", ".join(f"{S}x{Q}" for S, Q in sorted(self.steps)), time.perf_counter() - t0)
+
+    def _pack_padding(self, st: StaticStep) -> None:
+        """Inputs of an all-padding step: what capture runs on (it writes only the spare slot)."""
+        v = st.layout.views(st.host)
+        st.host.zero_()
+        v["slot_mapping"].fill_(-1)
+        v["kda_slots"].fill_(self.spare_slot)
+        v["fresh"].fill_(1)
+        st.dev.copy_(st.host)
+
+    def _run_static(self, st: StaticStep) -> None:
+        ids, ctx = st.context()
+        st.hidden = self.model(ids, ctx, self.cache)
+        st.logits = self.model.logits(st.hidden)
+
+    # ---------------------------------------------------------------------------------- steps
+    def verify(self, batch: Batch) -> torch.Tensor:
+        need = max(batch.q_lens)
+        st = min((st for (S, Q), st in self.steps.items() if S == batch.capacity and Q >= need),
+                 key=lambda st: st.layout.Q, default=None)
+        if st is None or batch.block_table.shape[1] > st.layout.max_blocks:
+            self.graph_stats["eager"] += 1
+            return super().verify(batch)
+        self.graph_stats["graph" if self.capture else "static"] += 1
+        if st.copied is not None:
+            st.copied.synchronize()            # the previous step's copy out of st.host is done
+        st.layout.pack(batch, self.spare_slot, st.host)
+        st.dev.copy_(st.host, non_blocking=True)
+        short = [i for i, n in enumerate(batch.q_lens) if n < st.layout.Q]
+        if short:       # index tensors made now: a copy to the device after the replay would wait for it
+            short = (batch.kda_slots[short].to(self.device), torch.tensor(batch.q_lens)[short].to(self.device) - 1)
+        if st.copied is not None:
+            st.copied.record()
+        with torch.inference_mode():
+            if st.graph is not None:
+                st.graph.replay()
+            else:
+                self._run_static(st)
+        if short:       # their KDA state went on through the padding rows: back to their last real row
+            self.graph_stats["padded drafts"] += 1
+            self._restore_kda(*short)
+        v = st.layout.views(st.dev)
+        self.hidden = st.hidden[v["rows"][:batch.num_tokens]] if batch.keep_hidden else None
+        return st.logits[v["logit_rows"][:len(batch.logit_rows)]]
