@@ -36,7 +36,7 @@ run() {   # run NAME SECONDS CMD...: time it (killed past SECONDS), keep its log
 
 for s in "${stages[@]}"; do
     case $s in
-        tests) run gpu_tests "${TESTS_S:-180}" python -m pytest -v -m gpu -p no:cacheprovider \
+        tests) run gpu_tests "${TESTS_S:-180}" python -m pytest -v -n 8 -m gpu -p no:cacheprovider \
                    tests/test_graphs_gpu.py tests/test_kda_triton.py tests/test_cache_write_triton.py \
                    tests/test_mla_cuda_gpu.py ;;
         e2e) run e2e "${E2E_S:-480}" python benchmarks/e2e.py --budget-s "${E2E_BUDGET_S:-400}" --json "$OUT/e2e.json" ;;

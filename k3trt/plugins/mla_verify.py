@@ -165,11 +165,10 @@ def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
 
 
 # Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda. "auto" takes the
-# SM90 CUDA kernel (mla_cuda/) where it was measured faster than the Triton one on the H200: up to
-# SM90_MAX_ROWS folded rows per request (one 64-row tile: the memory-bound TP>=2 shapes; at
-# H=12, batch >= 32, 8K-32K context it runs at 0.69-0.78 of the roofline against Triton's
-# 0.44-0.48) and more than SMALL_GRID tiles in the grid (below that Triton's split-d_v config wins).
-SM90_MAX_ROWS = 64
+# SM90 CUDA kernel (mla_cuda/) where the H200 measured it faster (benchmarks/results/mla_cuda_h200.json):
+# grids of more than SMALL_GRID 64-row tiles. There, with 4 rows per request at 8K-32K context,
+# it runs at 0.69-0.78 of the roofline for 12 heads (Triton 0.44-0.48) and 0.46-0.50 for 48/96
+# heads (Triton 0.32-0.34); on smaller grids Triton's split-d_v config wins (batch 1).
 KERNEL_ENV = "K3TRT_MLA_KERNEL"
 
 
@@ -183,8 +182,7 @@ def _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, q_per_req, d_v) -> bo
     from .plans import SMALL_GRID
     if mla_cuda.unsupported(q, kv_cache, block_table, seq_lens, d_v) is not None or not _sm90_builds():
         return False
-    rows = q_per_req * q.shape[1]
-    return choice == "cuda" or (rows <= SM90_MAX_ROWS and block_table.shape[0] * -(-rows // 64) > SMALL_GRID)
+    return choice == "cuda" or block_table.shape[0] * -(-q_per_req * q.shape[1] // 64) > SMALL_GRID
 
 
 @functools.lru_cache(maxsize=1)

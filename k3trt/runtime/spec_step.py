@@ -151,14 +151,11 @@ def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault) -> dict[int
     out: dict[int, Verdict] = {}
     plain = [r for r in rows if r.req.params.plain]
     if plain:      # argmax only: one batched argmax and one batched acceptance
-        idx = torch.cat([torch.arange(r.row0, r.row0 + r.num) for r in plain]).to(logits.device)
-        flat = logits[idx].argmax(-1).tolist()
+        best = logits.argmax(-1).tolist()       # every row (the few non-plain ones too): one sync
         d, nd = pad_drafts([r.req.drafts for r in plain])
-        target = torch.zeros(len(plain), d.shape[1] + 1, dtype=torch.int64)
-        at = 0
-        for b, r in enumerate(plain):
-            target[b, :r.num] = torch.tensor(flat[at:at + r.num])
-            at += r.num
+        width = d.shape[1] + 1
+        target = torch.tensor([best[r.row0:r.row0 + r.num] + [0] * (width - r.num) for r in plain],
+                              dtype=torch.int64).view(len(plain), width)
         acc = accept_greedy(target, d, nd)
         for b, r in enumerate(plain):
             out[id(r.req)] = Verdict(acc.tokens[b], acc.num_accepted[b], acc.num_drafts[b])

@@ -42,10 +42,9 @@ def pad_drafts(drafts: Sequence[Sequence[int]], device: torch.device | str = "cp
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged draft lists -> (drafts [B, K] right-padded with 0, num_drafts [B])."""
     K = max((len(d) for d in drafts), default=0)
-    out = torch.zeros(len(drafts), K, dtype=torch.int64)
-    for i, d in enumerate(drafts):
-        out[i, :len(d)] = torch.tensor(list(d), dtype=torch.int64)
-    return out.to(device), torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device)
+    out = [list(d) + [0] * (K - len(d)) for d in drafts]      # lists, not a torch call per request
+    return (torch.tensor(out, dtype=torch.int64).view(len(drafts), K).to(device),
+            torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=device))
 
 
 def pad_q(qs: Sequence[torch.Tensor | None], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
