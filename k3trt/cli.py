@@ -96,7 +96,7 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp")
+@click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp | layerskip:N")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="constrain the output to this JSON schema (a file)")
@@ -131,7 +131,7 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
               help="choices queued beyond the live batch before 429")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None)
 @click.option("--speculative", default="none", show_default=True,
-              help="none | ngram | draft:DIR | mtp (a request opts out with \"speculative\": false)")
+              help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch, speculative,
               spec_tokens) -> None:
@@ -158,7 +158,7 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--python-env", "execution_env", type=click.Path(file_okay=False), default=None,
               help="environment for Triton's Python stub (EXECUTION_ENV_PATH); see README")
-@click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp")
+@click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
 def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, speculative) -> None:
     """Write a Triton Inference Server model repository serving ENGINE_DIR."""
     from k3trt.triton import triton_repo_main
