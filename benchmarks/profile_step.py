@@ -28,7 +28,7 @@ from k3trt.config import ModelConfig
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import init_random_
-from k3trt.runtime.engine import Seq, make_batch
+from k3trt.runtime.engine import Seq, TorchSession, make_batch
 from k3trt.runtime.graphs import GraphSession
 from k3trt.runtime.kv_cache import plan_cache
 
@@ -81,20 +81,50 @@ def profile(model, batch: int, q: int, ctx: int, top: int) -> dict:
         s.verify(b)
         torch.cuda.synchronize()
     st.graph = st_graph
+    kernels = _by_kernel(prof)
+    total = sum(k[1] for k in kernels)
+    launches = sum(k[2] for k in kernels)
+    out = {"batch": batch, "q": q, "ctx": ctx, "replay_ms": round(statistics.median(times), 4),
+           "step_ms": round(statistics.median(walls), 4), "profiled_kernel_ms": round(total, 4),
+           "kernel_launches": launches, "top_kernels": kernels[:top]}
+    del s, st, st_graph
+    torch.cuda.empty_cache()
+    return out
+
+
+def profile_prefill(model, tokens: int, top: int) -> dict:
+    """One eager prefill chunk of `tokens` tokens of one fresh sequence: wall time and kernels."""
+    plan = plan_cache(model.cfg, budget_bytes=4 << 30, block_size=BLOCK, max_live=1, max_model_len=tokens,
+                      kv_dtype=torch.bfloat16, state_dtype=torch.bfloat16)
+    s = TorchSession(model, model.cfg, plan, device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    blocks = list(range(-(-tokens // BLOCK)))
+    toks = torch.randint(1, VOCAB, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    b = make_batch([Seq(toks, 0, blocks, 0, 1)], BLOCK, capacity=tokens)
+    for _ in range(2):
+        s.prefill(b)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        s.prefill(b)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        s.prefill(b)
+        torch.cuda.synchronize()
+    kernels = _by_kernel(prof)
+    return {"prefill_tokens": tokens, "wall_ms": round(statistics.median(walls), 3),
+            "profiled_kernel_ms": round(sum(k[1] for k in kernels), 3), "top_kernels": kernels[:top]}
+
+
+def _by_kernel(prof) -> list:
     by = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             k = by[e.name[:90]]
-            k[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+            k[0] += e.device_time_total / 1e3
             k[1] += 1
-    total = sum(v[0] for v in by.values())
-    kernels = sorted(([n, round(v[0], 4), v[1]] for n, v in by.items()), key=lambda r: -r[1])
-    out = {"batch": batch, "q": q, "ctx": ctx, "replay_ms": round(statistics.median(times), 4),
-           "step_ms": round(statistics.median(walls), 4), "profiled_kernel_ms": round(total, 4),
-           "kernel_launches": sum(v[1] for v in by.values()), "top_kernels": kernels[:top]}
-    del s, st, st_graph
-    torch.cuda.empty_cache()
-    return out
+    return sorted(([n, round(v[0], 4), v[1]] for n, v in by.items()), key=lambda r: -r[1])
 
 
 def main() -> None:
@@ -104,6 +134,7 @@ def main() -> None:
     ap.add_argument("--q", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill chunk of this many tokens")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -130,6 +161,14 @@ def main() -> None:
             continue
         print(f"\nbatch {b} q {args.q} ctx {args.ctx}: replay {r['replay_ms']} ms, step {r['step_ms']} ms, "
               f"profiled kernels {r['profiled_kernel_ms']} ms in {r['kernel_launches']} launches")
+        for name, ms, n in r["top_kernels"]:
+            print(f"  {ms:9.4f} ms {n:5d}x  {name}")
+    if args.prefill:
+        r = profile_prefill(model, args.prefill, args.top)
+        doc["prefill"] = r
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=1))
+        print(f"\nprefill {args.prefill} tokens: {r['wall_ms']} ms wall, profiled kernels {r['profiled_kernel_ms']} ms")
         for name, ms, n in r["top_kernels"]:
             print(f"  {ms:9.4f} ms {n:5d}x  {name}")
 

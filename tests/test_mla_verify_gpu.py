@@ -67,7 +67,8 @@ def check(out, lse, ref_out, ref_lse):
     fin = torch.isfinite(ref_lse)
     assert (out[~fin] == 0).all()
     assert rel_norm_error(out.float(), ref_out.float()) < 1e-2
-    assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2
 
 
 @pytest.mark.parametrize("case", gpu_cases(), ids=str)
