@@ -27,6 +27,10 @@ from k3trt.plugins import kda as _kda_ops  # noqa: F401  (registers torch.ops.k3
 # Sequences with more new tokens than this use the chunked form (unless every per-position state
 # is wanted, which only the recurrent form produces); decode and verification steps stay recurrent.
 CHUNKED_MIN_TOKENS = 16
+# Chunk of the chunked form. Its plain-torch body materialises [chunk, chunk, dk] decays per head, so
+# traffic grows with the chunk and launches with the chunk count: 16 was fastest on the CPU
+# (5.8x over 64 at 1K tokens) — benchmarks/kda_chunk.py measures it on the GPU.
+PREFILL_CHUNK = 16
 L2_EPS = 1e-6   # as in fla's l2norm: x / sqrt(sum(x^2) + eps)
 
 
@@ -162,7 +166,7 @@ class KDA(nn.Module):
             # kda_recurrent but not the in-place kda_recurrent_slots
             state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
             if chunked:
-                o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale)
+                o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale, PREFILL_CHUNK)
             else:
                 o, state1, states_all = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state0, self.scale, save)
                 if save:
