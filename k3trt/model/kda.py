@@ -28,9 +28,10 @@ from k3trt.plugins import kda as _kda_ops  # noqa: F401  (registers torch.ops.k3
 # is wanted, which only the recurrent form produces); decode and verification steps stay recurrent.
 CHUNKED_MIN_TOKENS = 16
 # Chunk of the chunked form. Its plain-torch body materialises [chunk, chunk, dk] decays per head, so
-# traffic grows with the chunk and launches with the chunk count: 16 was fastest on the CPU
-# (5.8x over 64 at 1K tokens) — benchmarks/kda_chunk.py measures it on the GPU.
-PREFILL_CHUNK = 16
+# traffic grows with the chunk and launches with the chunk count. On the H200 at K3 sizes (96 heads,
+# 2048 tokens; benchmarks/kda_chunk.py, results/kda_chunk_h200.json): 37 ms per layer at 32 against
+# 57 at 64 and 68 at 16. A Triton kernel for this form is what prefill needs next.
+PREFILL_CHUNK = 32
 L2_EPS = 1e-6   # as in fla's l2norm: x / sqrt(sum(x^2) + eps)
 
 
