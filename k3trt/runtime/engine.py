@@ -63,19 +63,21 @@ def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_stat
                keep_hidden: bool = False) -> Batch:
     """Flatten `seqs` into one step (host tensors). Built in numpy and turned into tensors once per
     field: at batch 128 a few torch calls per sequence cost milliseconds a step."""
-    n = [len(s.tokens) for s in seqs]
+    n = np.array([len(s.tokens) for s in seqs], dtype=np.int64)
+    ctx = np.array([s.ctx_len for s in seqs], dtype=np.int64)
     width = max(len(s.blocks) for s in seqs)
     table = np.zeros((len(seqs), width), dtype=np.int32)
-    slots = []
     for i, s in enumerate(seqs):
         table[i, :len(s.blocks)] = s.blocks
-        pos = np.arange(s.ctx_len, s.ctx_len + n[i])
-        slots.append(table[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+    seq = np.repeat(np.arange(len(seqs)), n)                            # each token's sequence
     ends = np.cumsum(n)
-    rows = np.concatenate([np.arange(e - s.num_logits, e) for s, e in zip(seqs, ends)])
+    pos = np.repeat(ctx - (ends - n), n) + np.arange(int(ends[-1]) if len(ends) else 0)
+    slots = table[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    k = np.array([s.num_logits for s in seqs], dtype=np.int64)
+    rows = np.repeat(ends - k, k) + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
     return Batch(input_ids=torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64),
-                 q_lens=tuple(n), ctx_lens=tuple(s.ctx_len for s in seqs),
-                 slot_mapping=torch.from_numpy(np.concatenate(slots)), block_table=torch.from_numpy(table),
+                 q_lens=tuple(n.tolist()), ctx_lens=tuple(ctx.tolist()),
+                 slot_mapping=torch.from_numpy(slots), block_table=torch.from_numpy(table),
                  kda_slots=torch.tensor([s.kda_slot for s in seqs], dtype=torch.int64),
                  logit_rows=torch.from_numpy(rows.astype(np.int64)), capacity=capacity,
                  save_kda_states=save_kda_states, keep_hidden=keep_hidden)
