@@ -16,7 +16,8 @@ import statistics
 import torch
 
 
-def _median_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+def median_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median CUDA-event time of fn() in ms, after `warmup` calls (the other benchmarks use it too)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -34,7 +35,7 @@ def copy_gbps(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy rate, counting bytes read plus bytes written."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
+    ms = median_ms(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e6
 
 
@@ -43,7 +44,7 @@ def gemm_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _median_ms(lambda: torch.matmul(a, b, out=out))
+    ms = median_ms(lambda: torch.matmul(a, b, out=out))
     return 2 * n ** 3 / ms / 1e9
 
 

@@ -53,6 +53,8 @@ from k3trt.model.weights import init_random_
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 
+from drive import Progress   # benchmarks/ (the script's folder) is on sys.path
+
 log = logging.getLogger("e2e")
 VOCAB = 129408          # the tokenizer's vocabulary rounded up, as make_checkpoint makes it
 
@@ -190,33 +192,17 @@ def sync(llm: LLM) -> None:
 
 def run_decode(llm: LLM, ps: list[list[int]], max_tokens: int) -> dict:
     """Submit every prompt, step through prefill, then time the decode steps to completion."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ids = [llm.add_request(p, params) for p in ps]
-    n_out, done = dict.fromkeys(ids, 0), set()
-
-    def step() -> None:
-        for o in llm.step():
-            if o.request_id in n_out:
-                n_out[o.request_id] = len(o.token_ids)
-                if o.finished:
-                    done.add(o.request_id)
-                    if o.error:
-                        raise RuntimeError(f"{o.request_id}: {o.error}")
-
+    prog = Progress(llm, ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     t0 = time.perf_counter()
-    while not all(n_out.values()):
-        step()
+    prog.prefill()
     sync(llm)
     prefill_s = time.perf_counter() - t0
     spec0, graphs0 = llm.stats()["speculative"], dict(llm.stats()["graphs"])
-    before, times = sum(n_out.values()), []
-    while len(done) < len(ids):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    before = prog.tokens
+    times = prog.decode()
     spec, graphs = llm.stats()["speculative"], llm.stats()["graphs"]
     vsteps, accepted = (spec.get(k, 0) - spec0.get(k, 0) for k in ("verify_steps", "accepted_tokens"))
-    tokens, wall = sum(n_out.values()) - before, sum(times)
+    tokens, wall = prog.tokens - before, sum(times)
     out = {"prefill_s": round(prefill_s, 4), "decode_tokens": tokens, "decode_steps": len(times),
            "decode_s": round(wall, 5), "tokens_per_s": round(tokens / wall, 2) if wall else None,
            "step_ms": round(statistics.median(times) * 1e3, 4) if times else None,

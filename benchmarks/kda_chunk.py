@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from k3trt.plugins.kda import kda_chunked
+
+from ceilings import median_ms   # benchmarks/ (the script's folder) is on sys.path
 
 
 def main() -> None:
@@ -40,18 +41,9 @@ def main() -> None:
     for cs in (int(x) for x in args.chunks.split(",")):
         fn = lambda: kda_chunked(q, k, v, gg, beta, s0, D ** -0.5, cs)   # noqa: E731
         o, s = fn()
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
+        ms = median_ms(fn, warmup=2, reps=5)
         ref = ref if ref is not None else (o, s)
-        row = {"chunk": cs, "ms": round(statistics.median(times), 3),
+        row = {"chunk": cs, "ms": round(ms, 3),
                "max_diff_out": (o - ref[0]).abs().max().item(), "max_diff_state": (s - ref[1]).abs().max().item()}
         rows.append(row)
         print(row, flush=True)

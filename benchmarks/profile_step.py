@@ -32,6 +32,8 @@ from k3trt.runtime.engine import Seq, TorchSession, make_batch
 from k3trt.runtime.graphs import GraphSession
 from k3trt.runtime.kv_cache import plan_cache
 
+from ceilings import median_ms   # benchmarks/ (the script's folder) is on sys.path
+
 log = logging.getLogger("profile_step")
 VOCAB = 129408
 BLOCK = 64
@@ -61,15 +63,7 @@ def profile(model, batch: int, q: int, ctx: int, top: int) -> dict:
     st = s.steps[(batch, q)]
     for _ in range(3):
         s.verify(b)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        st.graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
+    replay_ms = median_ms(st.graph.replay, warmup=0, reps=20)
     walls = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -84,7 +78,7 @@ def profile(model, batch: int, q: int, ctx: int, top: int) -> dict:
     kernels = _by_kernel(prof)
     total = sum(k[1] for k in kernels)
     launches = sum(k[2] for k in kernels)
-    out = {"batch": batch, "q": q, "ctx": ctx, "replay_ms": round(statistics.median(times), 4),
+    out = {"batch": batch, "q": q, "ctx": ctx, "replay_ms": round(replay_ms, 4),
            "step_ms": round(statistics.median(walls), 4), "profiled_kernel_ms": round(total, 4),
            "kernel_launches": launches, "top_kernels": kernels[:top]}
     del s, st, st_graph

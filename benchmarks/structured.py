@@ -62,6 +62,8 @@ from k3trt.model.make_checkpoint import VOCAB_MULTIPLE, make_checkpoint
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 
+from drive import Progress   # benchmarks/ (the script's folder) is on sys.path
+
 log = logging.getLogger("structured")
 
 ITEM = {"type": "object", "properties": {
@@ -105,26 +107,11 @@ def model_for(preset: str, device: str, dtype: str, work: Path, seed: int = 0):
     model = build_model(cfg, dtype=DTYPES[dtype], device=device)
     log.info("%s: %.2fB parameters allocated on %s in %.1fs; drawing random weights there", preset,
              sum(p.numel() for p in model.parameters()) / 1e9, device, time.perf_counter() - t0)
-    try:
-        init_random_(model, seed, device=device)
-    except TypeError:                      # an init_random_ without the device option
-        _init_random_on(model, seed)
+    init_random_(model, seed, device=device)
     if device == "cuda":
         torch.cuda.synchronize()
     log.info("%s ready in %.1fs", preset, time.perf_counter() - t0)
     return model, tok_dir
-
-
-def _init_random_on(model, seed: int) -> None:
-    """init_random_'s rules, drawn on the parameters' device (a CPU draw of 9B numbers takes minutes)."""
-    import re
-
-    from k3trt.model.weights import INIT_RULES
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            init = next(fn for pat, fn in INIT_RULES if re.fullmatch(pat, name))
-            p.copy_(init(p, g).to(p.dtype))
 
 
 class Probe:
@@ -245,36 +232,19 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, special: set[int], seed
 
 def measure(llm: LLM, probe: Probe | None, prompts: list[list[int]], params: SamplingParams) -> dict:
     """Submit every prompt, step through prefill, then time the decode steps to completion."""
-    ids = [llm.add_request(p, params) for p in prompts]
-    n_out = dict.fromkeys(ids, 0)
-    done: set[str] = set()
-
-    def step() -> None:
-        for o in llm.step():
-            if o.request_id in n_out:
-                n_out[o.request_id] = len(o.token_ids)
-                if o.finished:
-                    done.add(o.request_id)
-                    if o.error:
-                        raise RuntimeError(f"{o.request_id}: {o.error}")
-
-    while not all(n_out.values()):
-        step()
+    prog = Progress(llm, prompts, params)
+    prog.prefill()
     if llm.session.device.type == "cuda":
         torch.cuda.synchronize()
     spec0 = llm.stats()["speculative"]
-    before = sum(n_out.values())
+    before = prog.tokens
     if probe is not None:
         probe.arm()
-    times = []
-    while len(done) < len(ids):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    times = prog.decode()
     extra = probe.read(len(times)) if probe is not None else {}
     spec = llm.stats()["speculative"]
     vsteps, drafted, accepted = (spec[k] - spec0[k] for k in ("verify_steps", "drafted_tokens", "accepted_tokens"))
-    tokens = sum(n_out.values()) - before
+    tokens = prog.tokens - before
     wall = sum(times)
     return {"decode_tokens": tokens, "decode_steps": len(times), "decode_s": round(wall, 5),
             "tokens_per_s": round(tokens / wall, 2), "step_ms": round(statistics.median(times) * 1e3, 4),
