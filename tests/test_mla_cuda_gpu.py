@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_mla_verify import Case, make_inputs
-from test_mla_verify_gpu import check
+from test_mla_verify_gpu import check, replay_shorter
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available()
@@ -70,11 +70,6 @@ def test_captures_in_graph_and_follows_lengths():
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     call = lambda: mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, case.width ** -0.5,  # noqa: E731
                                             case.kv_scale, case.d_v, num_splits=3)
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
-    seq_lens.copy_(torch.tensor([3, 640, 1], dtype=torch.int32))   # shorter lengths, same pages
-    graph.replay()
+    out, lse = replay_shorter(call, seq_lens)
     check(out, lse, *mla_verify_ref(q, cache, table, seq_lens, 4, case.width ** -0.5,
                                     case.kv_scale, case.d_v))

@@ -59,6 +59,18 @@ def run_kernel(q, cache, table, seq_lens, case, splits=None, dv_split=None, **kw
     return out, lse
 
 
+def replay_shorter(call, seq_lens):
+    """Capture call() in a CUDA graph, shorten the 3 requests' lengths in place (same pages) and
+    replay: the replay's (out, lse), which must follow the new lengths."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    seq_lens.copy_(torch.tensor([3, 640, 1], dtype=torch.int32))
+    graph.replay()
+    return out, lse
+
+
 def check(out, lse, ref_out, ref_lse):
     from k3trt.testing import rel_norm_error
     assert not torch.isnan(out).any(), "NaN (unwritten or poisoned) in out"
@@ -102,12 +114,7 @@ def test_op_dispatches_to_kernel_and_captures_in_graph():
     assert mv.kernel_unsupported(q, cache, table, seq_lens, case.d_v) is None
     call = lambda: torch.ops.k3trt.mla_verify(q, cache, table, seq_lens, 4, case.width ** -0.5,  # noqa: E731
                                               case.kv_scale, case.d_v)
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
-    seq_lens.copy_(torch.tensor([3, 640, 1], dtype=torch.int32))   # shorter lengths, same pages
-    graph.replay()
+    out, lse = replay_shorter(call, seq_lens)
     check(out, lse, *reference(q, cache, table, seq_lens, case))
 
 

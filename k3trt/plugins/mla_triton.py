@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plans import VerifyPlan
+from .plans import VerifyPlan, split_scratch
 
 LOG2E = 1.4426950408889634
 CHUNK_TOKENS = 2048  # page ids held in registers per outer step
@@ -227,13 +227,8 @@ def mla_verify_fwd(plan: VerifyPlan, q, kv_cache, block_table, seq_lens, q_per_r
     if rows == 0:
         return out, lse
     splits = plan.num_splits
-    if splits > 1:
-        alloc = torch.full if poison_scratch else torch.empty
-        fill = (float("nan"),) if poison_scratch else ()
-        part_o = alloc((rows, splits, d_v), *fill, dtype=torch.float32, device=q.device)
-        part_lse = alloc((rows, splits), *fill, dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = out, lse  # unused
+    part_o, part_lse = split_scratch(rows, splits, d_v, q.device, poison_scratch) if splits > 1 \
+        else (out, lse)  # unused without splits
     cfg = plan.config
     page = kv_cache.shape[1]
     block_n = math.gcd(cfg.block_n, page)  # a tile never straddles two pages

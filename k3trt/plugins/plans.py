@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 H200_SMS = 132
 MAX_SPLITS = 128
 SMALL_GRID = 8  # (request, M-tile) pairs below which a plan splits d_v over program pairs
@@ -142,3 +144,13 @@ def pick_plan(plans: list[VerifyPlan], live: int) -> VerifyPlan:
     largest = max((p.capacity for p in plans), default=0)
     raise ValueError(f"{live} live requests exceed the largest verification plan ({largest}); "
                      "split the step or queue requests")
+
+
+def split_scratch(rows: int, splits: int, d_v: int, device: torch.device,
+                  poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 split-K partials of both MLA kernels: out [rows, splits, d_v] and lse [rows, splits].
+    `poison` fills them with NaN (tests: no unwritten partial may be read)."""
+    alloc = torch.full if poison else torch.empty
+    fill = (float("nan"),) if poison else ()
+    return (alloc((rows, splits, d_v), *fill, dtype=torch.float32, device=device),
+            alloc((rows, splits), *fill, dtype=torch.float32, device=device))

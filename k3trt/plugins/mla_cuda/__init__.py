@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from ..plans import choose_splits, split_scratch
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -91,8 +93,6 @@ def _err_buffer(index: int) -> torch.Tensor:
 
 
 def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0) -> int:
-    from ..plans import choose_splits
-
     m_tiles = -(-q_per_req * heads // 64)
     return choose_splits(max(1, batch * m_tiles), _num_sms(device_index))
 
@@ -136,13 +136,8 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
     rows = batch * q_per_req * heads
     if rows == 0:
         return out, lse
-    if num_splits > 1:
-        alloc = torch.full if poison_scratch else torch.empty
-        fill = (float("nan"),) if poison_scratch else ()
-        part_o = alloc((rows, num_splits, D_V), *fill, dtype=torch.float32, device=q.device)
-        part_lse = alloc((rows, num_splits), *fill, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = lse  # unused
+    part_o, part_lse = split_scratch(rows, num_splits, D_V, q.device, poison_scratch) if num_splits > 1 \
+        else (lse, lse)  # unused without splits
     mod = load_extension()
     mod.forward(q, kv_cache, block_table, seq_lens, int(q_per_req), float(softmax_scale),
                 float(kv_scale), num_splits, int(min_split_blocks), out, lse, part_o, part_lse,
