@@ -92,9 +92,9 @@ class Experts(nn.Module):
         ys = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
         y = torch.empty_like(ys)
         y[order] = ys                                     # back to (token, choice) order: a permutation
-        w = torch.where(ids < E, weights, 0.0).float()
-        y = torch.where((ids < E)[..., None], y.view(T, k, -1).float(), 0.0)  # unwritten rows may be NaN
-        return (y * w[..., None]).sum(1).to(x.dtype)
+        # other ranks' pairs got no GEMM: their rows are unwritten (maybe NaN), so select, not multiply
+        y = torch.where((ids < E)[..., None], y.view(T, k, -1).float(), 0.0)
+        return (y * weights.float()[..., None]).sum(1).to(x.dtype)
 
     def _loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

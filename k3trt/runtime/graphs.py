@@ -35,6 +35,12 @@ from k3trt.runtime.kv_cache import CachePlan
 log = logging.getLogger(__name__)
 
 
+def graphs_by_default(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Where steps replay graphs unless told otherwise: on CUDA in bf16/fp16, the dtypes whose every
+    op has a kernel without host synchronisation (fp32 MLA falls back to the syncing reference)."""
+    return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Offsets of one static step's inputs in its packed int64 buffer."""
@@ -64,6 +70,16 @@ class Layout:
         out["block_table"] = out["block_table"].view(S, self.max_blocks)
         return out
 
+    def pad(self, out: torch.Tensor, spare_slot: int) -> dict[str, torch.Tensor]:
+        """Fill the host buffer `out` [size] with an all-padding step (no tokens, no cache writes,
+        KDA on the spare slot); returns its views."""
+        out.zero_()
+        v = self.views(out)
+        v["slot_mapping"].fill_(-1)
+        v["kda_slots"].fill_(spare_slot)
+        v["fresh"].fill_(1)
+        return v
+
     def pack(self, batch: Batch, spare_slot: int, out: torch.Tensor) -> torch.Tensor:
         """Write `batch` into the host buffer `out` [size], padded to S sequences of Q rows: sequence
         i's rows at i·Q + j, a sequence with fewer rows (fewer drafts) padded at its end. Returns the
@@ -80,18 +96,17 @@ class Layout:
                              f"of {sorted(set(batch.q_lens))} rows over {batch.block_table.shape[1]} blocks")
         starts = torch.cumsum(q, 0) - q
         rows = (torch.arange(n) * Q - starts).repeat_interleave(q) + torch.arange(batch.num_tokens)
-        v = self.views(out)
-        v["input_ids"].zero_()[rows] = batch.input_ids
-        v["slot_mapping"].fill_(-1)[rows] = batch.slot_mapping
+        v = self.pad(out, spare_slot)
+        v["input_ids"][rows] = batch.input_ids
+        v["slot_mapping"][rows] = batch.slot_mapping
         ctx = torch.tensor(batch.ctx_lens, dtype=torch.int64)
-        v["positions"].zero_()[:n * Q] = (ctx[:, None] + torch.arange(Q)).flatten()
-        v["kda_slots"].fill_(spare_slot)[:n] = batch.kda_slots
-        v["seq_lens"].zero_()[:n] = ctx + Q
-        v["fresh"].fill_(1)[:n] = ctx == 0
-        table = v["block_table"].zero_()
-        table[:n, :batch.block_table.shape[1]] = batch.block_table
-        v["rows"].zero_()[:len(rows)] = rows
-        v["logit_rows"].zero_()[:len(batch.logit_rows)] = rows[batch.logit_rows]
+        v["positions"][:n * Q] = (ctx[:, None] + torch.arange(Q)).flatten()
+        v["kda_slots"][:n] = batch.kda_slots
+        v["seq_lens"][:n] = ctx + Q
+        v["fresh"][:n] = ctx == 0
+        v["block_table"][:n, :batch.block_table.shape[1]] = batch.block_table
+        v["rows"][:len(rows)] = rows
+        v["logit_rows"][:len(batch.logit_rows)] = rows[batch.logit_rows]
         return rows
 
 
@@ -139,7 +154,8 @@ class GraphSession(TorchSession):
         pool = torch.cuda.graph_pool_handle()
         # largest first: later, smaller graphs reuse the pool's blocks
         for (S, Q), st in sorted(self.steps.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
-            self._pack_padding(st)
+            st.layout.pad(st.host, self.spare_slot)        # capture runs on an all-padding step
+            st.dev.copy_(st.host)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), torch.inference_mode():
@@ -152,15 +168,6 @@ class GraphSession(TorchSession):
         torch.cuda.synchronize(self.device)
         log.info("captured %d step graphs (capacity x rows: %s) in %.1fs", len(self.steps),
                  ", ".join(f"{S}x{Q}" for S, Q in sorted(self.steps)), time.perf_counter() - t0)
-
-    def _pack_padding(self, st: StaticStep) -> None:
-        """Inputs of an all-padding step: what capture runs on (it writes only the spare slot)."""
-        v = st.layout.views(st.host)
-        st.host.zero_()
-        v["slot_mapping"].fill_(-1)
-        v["kda_slots"].fill_(self.spare_slot)
-        v["fresh"].fill_(1)
-        st.dev.copy_(st.host)
 
     def _run_static(self, st: StaticStep) -> None:
         ids, ctx = st.context()

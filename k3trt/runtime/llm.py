@@ -34,6 +34,7 @@ from k3trt.builder.capacities import Capacities
 from k3trt.builder.engine_dir import BuildConfig, read_engine_dir
 from k3trt.runtime import sampling
 from k3trt.runtime.engine import TorchSession
+from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import FinishReason, Request, RequestOutput, Status, new_request
@@ -125,12 +126,10 @@ class LLM:
                           max_q=k + 1 if k else 0)
         kw = dict(device=device, dtype=b.torch_dtype, kv_dtype=b.kv_torch_dtype, kv_scale=b.kv_scale,
                   max_q=k + 1 if k else 0)
-        graphs = opts.cuda_graphs if opts.cuda_graphs is not None else \
-            device.type == "cuda" and b.torch_dtype in (torch.bfloat16, torch.float16)
+        graphs = opts.cuda_graphs if opts.cuda_graphs is not None else graphs_by_default(device, b.torch_dtype)
         if graphs and device.type != "cuda":     # the tests check the padded static steps this way
             log.warning("cuda_graphs on %s: static padded steps without capture", device)
         if graphs:
-            from k3trt.runtime.graphs import GraphSession
             self.session = GraphSession(model, cfg, plan, capacities=verify, q_values=(1, k + 1) if k else (1,),
                                         max_blocks=-(-self.max_model_len // plan.block_size), **kw)
         else:

@@ -27,6 +27,7 @@ from torch import nn
 from k3trt.config import ModelConfig
 from k3trt.model.k3 import K3ForCausalLM, K3Model
 from k3trt.runtime.engine import Seq, make_batch
+from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.speculative.draft_model import BlockList, DraftModelDrafter, SeqStep
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         model = LayerSkipModel(target, n)
         p = next(target.parameters())
         if graphs is None:
-            graphs = p.device.type == "cuda" and p.dtype in (torch.bfloat16, torch.float16)
+            graphs = graphs_by_default(p.device, p.dtype)
         if not graphs:
             super().__init__(model, model.cfg, k_max=k_max, max_live=max_live, max_model_len=max_model_len,
                              block_size=block_size, num_blocks=num_blocks, sample_drafts=sample_drafts)
@@ -113,7 +114,6 @@ def _graph_session(model: LayerSkipModel, num_blocks: int, block_size: int, max_
     (the catch-up after a fully accepted block: the last draft and the bonus token) at power-of-two
     capacities up to max_live; its cache (max_q = k_max for the per-step KDA states) is the drafter's."""
     from k3trt.builder.capacities import power_of_two_capacities
-    from k3trt.runtime.graphs import GraphSession
     from k3trt.runtime.kv_cache import CachePlan
     p = next(model.parameters())
     plan = CachePlan(block_size=block_size, num_blocks=num_blocks, max_live=max_live, num_checkpoints=0,
