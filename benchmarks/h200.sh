@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-H200 session's worth of GPU work in one command (device time is scarce: few, full calls).
 #
-#   bash benchmarks/h200.sh STAGE...     stages: tests e2e structured mla_cuda profile mla
+#   bash benchmarks/h200.sh STAGE...     stages: tests e2e structured mla_cuda profile mla moe
 #   (default: tests e2e structured mla_cuda; each stage's time limit from TESTS_S, E2E_S, ...)
 #
 # Runs from the repo root on the device machine (the `device` tool: carry .whl, whose wheels the
@@ -38,14 +38,16 @@ for s in "${stages[@]}"; do
     case $s in
         tests) run gpu_tests "${TESTS_S:-180}" python -m pytest -v -n 8 -m gpu -p no:cacheprovider \
                    tests/test_graphs_gpu.py tests/test_kda_triton.py tests/test_cache_write_triton.py \
-                   tests/test_mla_cuda_gpu.py ${EXTRA_TESTS:-} ;;
+                   tests/test_mla_cuda_gpu.py tests/test_moe_gemm.py tests/test_moe_route.py tests/test_norm_act.py \
+                   tests/test_attn_res_op.py tests/test_kda_front.py ${EXTRA_TESTS:-} ;;
         e2e) run e2e "${E2E_S:-480}" python benchmarks/e2e.py --budget-s "${E2E_BUDGET_S:-400}" --json "$OUT/e2e.json" ;;
         structured) run structured "${STRUCTURED_S:-240}" python benchmarks/structured.py --device cuda --preset medium \
                         --batches 1,32,128 --speculative none --json "$OUT/structured_medium.json" ;;
         mla_cuda) run mla_cuda "${MLA_CUDA_S:-200}" python benchmarks/mla_cuda_check.py ${MLA_CUDA_ARGS:-} --json "$OUT/mla_cuda.json" ;;
-        profile) run profile "${PROFILE_S:-200}" bash -c "python benchmarks/profile_step.py --q 1 \
+        profile) run profile "${PROFILE_S:-200}" bash -c "python benchmarks/profile_step.py --q 1 ${PROFILE_ARGS:-} \
                      --json $OUT/profile_q1.json && python benchmarks/profile_step.py --q 4 --batches 1,32 \
                      --json $OUT/profile_q4.json" ;;
+        moe) run moe_gemm "${MOE_S:-300}" python benchmarks/moe_gemm.py --json "$OUT/moe_gemm.json" ;;
         mla) run mla_tests "${MLA_S:-300}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_verify_gpu.py ;;
         *) echo "unknown stage $s" ;;
     esac

@@ -8,6 +8,8 @@ The medium preset is built on the device with random weights (as benchmarks/e2e.
 batch gets a GraphSession over caches filled by a prefill of `ctx` tokens per sequence; then
   replay_ms   median GPU time of one replay of the (batch, q) graph,
   step_ms     median wall time of GraphSession.verify + argmax + .tolist() (host work included),
+  phases_ms   the same step with a sync between phases: pack (host), submit (copy + replay call),
+              gpu_wait, tail (logit rows, argmax, to the host),
   kernels     the top kernels of one uncaptured static step (the same kernels), by CUDA time.
 For the roofline of these steps see benchmarks/e2e.py; this script only says where time goes.
 """
@@ -69,6 +71,24 @@ def profile(model, batch: int, q: int, ctx: int, top: int) -> dict:
         t0 = time.perf_counter()
         s.verify(b).argmax(-1).tolist()
         walls.append((time.perf_counter() - t0) * 1e3)
+    # the step in phases, synchronising between them: packing the inputs (host), submitting the
+    # copy + replay (host; cudaGraphLaunch), waiting for the GPU, then picking the logit rows and
+    # the argmax back to the host
+    phases = {"pack": [], "submit": [], "gpu_wait": [], "tail": []}
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        st.layout.pack(b, s.spare_slot, st.host)
+        t.append(time.perf_counter())
+        st.dev.copy_(st.host, non_blocking=True)
+        st.graph.replay()
+        t.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        st.logits[st.views["logit_rows"][:len(b.logit_rows)]].argmax(-1).tolist()
+        t.append(time.perf_counter())
+        for (name, times), t0, t1 in zip(phases.items(), t, t[1:]):
+            times.append((t1 - t0) * 1e3)
     # the same step uncaptured, under the profiler: kernels by name
     st_graph, st.graph = st.graph, None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -79,7 +99,9 @@ def profile(model, batch: int, q: int, ctx: int, top: int) -> dict:
     total = sum(k[1] for k in kernels)
     launches = sum(k[2] for k in kernels)
     out = {"batch": batch, "q": q, "ctx": ctx, "replay_ms": round(replay_ms, 4),
-           "step_ms": round(statistics.median(walls), 4), "profiled_kernel_ms": round(total, 4),
+           "step_ms": round(statistics.median(walls), 4),
+           "phases_ms": {k: round(statistics.median(v), 4) for k, v in phases.items()},
+           "profiled_kernel_ms": round(total, 4),
            "kernel_launches": launches, "top_kernels": kernels[:top]}
     del s, st, st_graph
     torch.cuda.empty_cache()
@@ -153,7 +175,8 @@ def main() -> None:
             args.json.write_text(json.dumps(doc, indent=1))
         if "error" in r:
             continue
-        print(f"\nbatch {b} q {args.q} ctx {args.ctx}: replay {r['replay_ms']} ms, step {r['step_ms']} ms, "
+        print(f"\nbatch {b} q {args.q} ctx {args.ctx}: replay {r['replay_ms']} ms, step {r['step_ms']} ms "
+              f"(phases {r['phases_ms']}), "
               f"profiled kernels {r['profiled_kernel_ms']} ms in {r['kernel_launches']} launches")
         for name, ms, n in r["top_kernels"]:
             print(f"  {ms:9.4f} ms {n:5d}x  {name}")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from k3trt.config import ModelConfig
 from k3trt.model.attn_res import attn_res
 from k3trt.model.context import ModelCache
-from k3trt.model.layers import situ_mul
+from k3trt.plugins.norm_act import situ_mul_reference as situ_mul
 from k3trt.model.mla import MLA
 from k3trt.model.moe import MoE, route
 from k3trt.model.presets import preset_config

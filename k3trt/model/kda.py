@@ -21,8 +21,11 @@ from torch import Tensor, nn
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import KDALayerCache, StepContext
+from k3trt.model.fuse import fuse_params_
+from k3trt.model.layers import fused_ops
 from k3trt.parallel.comm import SINGLE, Comm
 from k3trt.plugins import kda as _kda_ops  # noqa: F401  (registers torch.ops.k3trt.kda_*)
+from k3trt.plugins import kda_front as _kda_front_ops  # noqa: F401  (short_conv_slots, kda_prep)
 
 # Sequences with more new tokens than this use the chunked form (unless every per-position state
 # is wanted, which only the recurrent form produces); decode and verification steps stay recurrent.
@@ -93,12 +96,44 @@ class KDA(nn.Module):
             self.g_b_proj = nn.Linear(D, proj, bias=False)
         self.o_norm = _RMSNorm(D, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(proj, hidden, bias=False)
+        # every projection of x (q|k|v, the output gate's first matrix, the decay's a, beta) as one
+        # [rows, hidden] weight once fused (model/fuse.py); _IN_PROJ names them in order
+        self.in_proj: Tensor | None = None
+        self.conv_w: Tensor | None = None     # q|k|v conv weights [3·H·D, 1, K] once fused
+
+    _IN_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "g_a_proj", "f_a_proj", "b_proj")
+
+    def fuse_(self) -> bool:
+        if self.in_proj is not None:
+            return False
+        linears = [getattr(self, n) for n in self._IN_PROJ if hasattr(self, n)]
+        self.in_proj = fuse_params_([m.weight for m in linears], 0)
+        self._in_sizes = [m.weight.shape[0] for m in linears]
+        self.conv_w = fuse_params_([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        return True
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [T, hidden] -> (q|k|v [T, 3·H·D], the output gate before its sigmoid [T, H·D], the
+        decay's raw f_b_proj(f_a_proj(x)) [T, H·D], beta's raw b_proj(x) [T, H]), in x's dtype.
+        Fused, q|k|v and the others are column slices of one GEMM's output (no copies)."""
+        if self.in_proj is None:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+            return qkv, self.output_gate(x), self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
+        s = self._in_sizes
+        qkv, gate, fa, b = F.linear(x, self.in_proj).split([s[0] + s[1] + s[2], s[3], s[4], s[5]], -1)
+        if not self.use_full_rank_gate:
+            gate = self.g_b_proj(gate)
+        return qkv, gate.reshape(-1, self.num_heads, self.head_dim), self.f_b_proj(fa), b
 
     # ------------------------------------------------------------------------- per-token parts
     def decay(self, x: Tensor) -> Tensor:
         """Log-space decay g [T, H, D] (fp32, <= 0) for inputs x [T, hidden]."""
+        return self.decay_from(self.f_b_proj(self.f_a_proj(x)))
+
+    def decay_from(self, f: Tensor) -> Tensor:
+        """The decay from f_b_proj(f_a_proj(x)) [T, H·D]."""
         H, D = self.num_heads, self.head_dim
-        raw = self.f_b_proj(self.f_a_proj(x)).float().view(-1, H, D) + self.dt_bias.float().view(H, D)
+        raw = f.float().view(-1, H, D) + self.dt_bias.float().view(H, D)
         a = self.A_log.float().exp().view(H, 1)
         if self.gate_lower_bound is not None:
             return self.gate_lower_bound * torch.sigmoid(a * raw)
@@ -114,10 +149,9 @@ class KDA(nn.Module):
         if x.shape[0] != ctx.num_tokens:
             raise ValueError(f"KDA: x has {x.shape[0]} tokens but the step context has {ctx.num_tokens}")
         H, D = self.num_heads, self.head_dim
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)   # [T, 3·H·D]
-        g = self.decay(x)                                                         # [T, H, D] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())                             # [T, H]
+        conv_w = self.conv_w if self.conv_w is not None else \
+            torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        qkv, gate, f, b = self.project(x)                                         # qkv [T, 3·H·D]
         fresh = ctx.fresh(x.device)
         slots = ctx.kda_slots.to(x.device)
 
@@ -134,51 +168,60 @@ class KDA(nn.Module):
             t0, t1 = cu[s0], cu[s1]
             if t1 == t0:
                 continue
-            shape = (s1 - s0, n)
-            outs.append(self._run(qkv[t0:t1].view(*shape, -1), g[t0:t1].view(*shape, H, D),
-                                  beta[t0:t1].view(*shape, H), conv_w, slots[s0:s1], fresh[s0:s1],
-                                  ctx.save_kda_states, cache).reshape(t1 - t0, H, D))
+            outs.append(self._run(qkv[t0:t1].view(s1 - s0, n, -1), f[t0:t1], b[t0:t1], conv_w, slots[s0:s1],
+                                  fresh[s0:s1], ctx.save_kda_states, cache).reshape(t1 - t0, H, D))
         o = torch.cat(outs, 0) if outs else x.new_zeros(0, H, D, dtype=torch.float32)
 
-        o = self.o_norm(o) * torch.sigmoid(self.output_gate(x).float())
-        return self.comm.all_reduce(self.o_proj(o.to(x.dtype).reshape(-1, H * D)), "tp")
+        if fused_ops(x):    # one kernel for the norm, the gate and the cast (plugins/norm_act.py)
+            o = torch.ops.k3trt.kda_out_gate(o, gate.reshape(-1, H * D), self.o_norm.weight, self.o_norm.eps)
+        else:
+            o = (self.o_norm(o) * torch.sigmoid(gate.float())).to(x.dtype).reshape(-1, H * D)
+        return self.comm.all_reduce(self.o_proj(o), "tp")
 
-    def _run(self, qkv: Tensor, g: Tensor, beta: Tensor, conv_w: Tensor, slots: Tensor, fresh: Tensor,
+    def _run(self, qkv: Tensor, f: Tensor, b: Tensor, conv_w: Tensor, slots: Tensor, fresh: Tensor,
              save: bool, cache: KDALayerCache) -> Tensor:
-        """One batch of equal-length sequences: qkv [B, n, 3·H·D], g [B, n, H, D], beta [B, n, H].
-        Returns o [B, n, H, D] fp32 and updates the slots."""
+        """One batch of equal-length sequences: qkv [B, n, 3·H·D], the decay's and beta's raw
+        projections f [B·n, H·D] and b [B·n, H]. Returns o [B, n, H, D] fp32 and updates the slots."""
         B, n = qkv.shape[:2]
         H, D = self.num_heads, self.head_dim
-        # torch.where (not a multiply) so that NaN garbage in a reused slot cannot leak through
-        keep = ~fresh
-        conv0 = torch.where(keep.view(B, 1, 1), cache.conv[slots].to(qkv.dtype), 0.0)
         if save and (cache.step_state is None or cache.step_conv is None or cache.step_state.shape[1] < n):
             have = None if cache.step_state is None else cache.step_state.shape[1]
             raise ValueError(f"KDA: save_kda_states for {n} positions needs step_state/step_conv with "
                              f"max_q >= {n} (allocated: {have})")
+        chunked = n > self.chunked_min_tokens and not save
+        if not chunked and not torch.compiler.is_exporting():
+            # decode / verification, in place on the cache slots (no state or window gather /
+            # scatter): the conv, then q/k norms, decay and beta in one kernel, then the recurrence
+            # (plugins/kda_front.py; on the CPU their references, the functional code below)
+            step_conv = cache.step_conv if save else cache.conv.new_empty(0)
+            y = torch.ops.k3trt.short_conv_slots(qkv, conv_w, cache.conv, slots, fresh, step_conv, save)
+            q, k, v, g, beta = torch.ops.k3trt.kda_prep(y.view(B * n, -1), f, b, self.dt_bias, self.A_log, H, D,
+                                                        self.gate_lower_bound)
+            step_state = cache.step_state if save else cache.state.new_empty(0)
+            shape = (B, n, H, D)
+            return torch.ops.k3trt.kda_recurrent_slots(q.view(shape), k.view(shape), v.view(shape), g.view(shape),
+                                                       beta.view(B, n, H), cache.state, slots, fresh, step_state,
+                                                       self.scale, save)
 
+        # functional ops around gathers and scatters: the chunked form (prefill), and every form
+        # under torch.export, whose ONNX translation (builder/onnx_ops.py) knows short_conv and
+        # kda_recurrent but not the in-place ops
+        g = self.decay_from(f).view(B, n, H, D)
+        beta = torch.sigmoid(b.float()).view(B, n, H)
+        # torch.where (not a multiply) so that NaN garbage in a reused slot cannot leak through
+        keep = ~fresh
+        conv0 = torch.where(keep.view(B, 1, 1), cache.conv[slots].to(qkv.dtype), 0.0)
         y, conv1, conv_all = torch.ops.k3trt.short_conv(qkv, conv_w, conv0, save)
         q, k, v = y.view(B, n, 3, H, D).unbind(2)
         q, k, v = _l2norm(q), _l2norm(k), v.float()
-        chunked = n > self.chunked_min_tokens and not save
-        if chunked or torch.compiler.is_exporting():
-            # functional ops around a gather and a scatter: the chunked form (prefill), and every
-            # form under torch.export, whose ONNX translation (builder/onnx_ops.py) knows
-            # kda_recurrent but not the in-place kda_recurrent_slots
-            state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
-            if chunked:
-                o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale, PREFILL_CHUNK)
-            else:
-                o, state1, states_all = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state0, self.scale, save)
-                if save:
-                    cache.step_state[slots, :n] = states_all
-            cache.state[slots] = state1
+        state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
+        if chunked:
+            o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale, PREFILL_CHUNK)
         else:
-            # decode / verification: in place on the cache slots (no state gather or scatter)
-            step_state = cache.step_state if save else cache.state.new_empty(0)
-            o = torch.ops.k3trt.kda_recurrent_slots(q, k, v, g, beta, cache.state, slots, fresh, step_state,
-                                                    self.scale, save)
-
+            o, state1, states_all = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state0, self.scale, save)
+            if save:
+                cache.step_state[slots, :n] = states_all
+        cache.state[slots] = state1
         cache.conv[slots] = conv1.to(cache.conv.dtype)
         if save:
             cache.step_conv[slots, :n] = conv_all.to(cache.step_conv.dtype)

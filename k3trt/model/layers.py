@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3trt.config import ModelConfig
+from k3trt.model.fuse import fuse_params_
 from k3trt.parallel.comm import SINGLE, Comm
+from k3trt.plugins import norm_act
 
 
 class RMSNorm(nn.Module):
@@ -20,36 +22,34 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def fused_ops(x: torch.Tensor) -> bool:
+    """Whether the model calls the fused k3trt ops (one kernel each on the GPU) instead of their
+    plain-torch references: on CUDA tensors, outside torch.export (whose ONNX/TensorRT translation
+    knows the references' aten ops). The eager "no plugins" baseline disables the ops' kernels,
+    which then run the references too."""
+    return x.is_cuda and not torch.compiler.is_exporting()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (bf16 sums of squares lose too much), returned in x's dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    if fused_ops(x):
+        return torch.ops.k3trt.rms_norm(x, weight, eps)
+    return norm_act.rms_norm_reference(x, weight, eps)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, beta: float | None = None,
-             linear_beta: float | None = None) -> torch.Tensor:
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
-def situ_mul(gate: torch.Tensor, up: torch.Tensor, beta: float | None = None,
-             linear_beta: float | None = None) -> torch.Tensor:
-    """SiTU: gate' = β·tanh(gate/β)·sigmoid(gate); up' = lb·tanh(up/lb) when lb is set; in fp32."""
-    g, u = gate.float(), up.float()
-    g = beta * torch.tanh(g / beta) * torch.sigmoid(g)
-    if linear_beta:
-        u = linear_beta * torch.tanh(u / linear_beta)
-    return (g * u).to(gate.dtype)
-
-
-# hidden_act -> the gated activation; a table, so a new activation is one line.
-ACTIVATIONS = {"silu": silu_mul, "situ": situ_mul}
+# hidden_act -> the gated activation's reference (SiLU, SiTU; their math in plugins/norm_act.py)
+ACTIVATIONS = norm_act.ACTIVATIONS
 
 
 def gated_act(cfg: ModelConfig):
-    fn = ACTIVATIONS[cfg.hidden_act]
+    kind, fn = cfg.hidden_act, ACTIVATIONS[cfg.hidden_act]
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
-    return lambda gate, up: fn(gate, up, beta, lb)
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if fused_ops(gate):
+            return torch.ops.k3trt.gated_act(gate, up, kind, float(beta or 0.0), float(lb or 0.0))
+        return fn(gate, up, beta, lb)
+    return act
 
 
 class GatedMLP(nn.Module):
@@ -64,6 +64,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, width, bias=False)
         self.act = gated_act(cfg)
         self.comm = comm
+        self.gate_up: torch.Tensor | None = None    # [2·inter, width] once fused (model/fuse.py)
+
+    def fuse_(self) -> bool:
+        if self.gate_up is not None:
+            return False
+        self.gate_up = fuse_params_([self.gate_proj.weight, self.up_proj.weight], 0)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.down_proj(self.act(self.gate_proj(x), self.up_proj(x))), "tp")
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.comm.all_reduce(self.down_proj(self.act(gate, up)), "tp")

@@ -24,8 +24,10 @@ import torch
 from torch import nn
 
 from k3trt.config import ModelConfig
+from k3trt.model.fuse import fuse_params_
 from k3trt.model.layers import GatedMLP, RMSNorm, gated_act
 from k3trt.parallel.comm import SINGLE, Comm
+from k3trt.plugins import moe_gemm, moe_route  # noqa: F401  (moe_route registers its ops)
 
 
 class Router(nn.Module):
@@ -42,9 +44,14 @@ class Router(nn.Module):
 
 def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     T, E, k = logits.shape[0], cfg.num_experts, cfg.num_experts_per_token
-    scores = torch.sigmoid(logits) if cfg.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
-    choice = scores + bias if (bias is not None and cfg.topk_method == "noaux_tc") else scores
-    if cfg.use_grouped_topk and cfg.num_expert_group > 1:
+    sigmoid, grouped = cfg.moe_router_activation_func == "sigmoid", cfg.use_grouped_topk and cfg.num_expert_group > 1
+    bias = bias if (bias is not None and cfg.topk_method == "noaux_tc") else None
+    if logits.is_cuda and not grouped and not torch.compiler.is_exporting():
+        # one kernel instead of ~8 (plugins/moe_route.py; the code below is its reference)
+        return torch.ops.k3trt.moe_route(logits, bias, k, sigmoid, cfg.moe_renormalize, cfg.routed_scaling_factor)
+    scores = torch.sigmoid(logits) if sigmoid else logits.softmax(-1)
+    choice = scores + bias if bias is not None else scores
+    if grouped:
         groups = choice.view(T, cfg.num_expert_group, -1)
         group_score = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)          # [T, G]
         keep = torch.zeros_like(group_score, dtype=torch.bool)
@@ -73,6 +80,13 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(E, inter, width))
         self.w_down = nn.Parameter(torch.empty(E, width, inter))
         self.act = gated_act(cfg)
+        self.gate_up: torch.Tensor | None = None    # [E, 2·inter, width] once fused (model/fuse.py)
+
+    def fuse_(self) -> bool:
+        if self.gate_up is not None:
+            return False
+        self.gate_up = fuse_params_([self.w_gate, self.w_up], 1)
+        return True
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if grouped_mm_ok(x, self.w_gate, self.w_down):
@@ -86,10 +100,23 @@ class Experts(nn.Module):
         counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts[:E].cumsum(0, dtype=torch.int32)   # group ends; pairs past offs[-1] get no GEMM
+        if moe_gemm.use_kernel(T * k, E, x):
+            # few rows per expert: our kernel, which also gathers the tokens and scatters the
+            # results back to (token, choice) order, then one kernel for the weighted sum
+            gemm = torch.ops.k3trt.moe_gemm
+            src = order // k
+            if self.gate_up is not None:
+                h = self.act(*gemm(x, self.gate_up, offs, src).chunk(2, -1))
+            else:
+                h = self.act(gemm(x, self.w_gate, offs, src), gemm(x, self.w_up, offs, src))
+            y = gemm(h, self.w_down, offs, None, order, T * k)
+            return torch.ops.k3trt.moe_combine(y, ids, weights, E)
         xs = x[order // k]
-        h = self.act(torch._grouped_mm(xs, self.w_gate.transpose(1, 2), offs=offs),
-                     torch._grouped_mm(xs, self.w_up.transpose(1, 2), offs=offs))
-        ys = torch._grouped_mm(h, self.w_down.transpose(1, 2), offs=offs)
+        if self.gate_up is not None:
+            h = self.act(*_grouped_mm(xs, self.gate_up, offs).chunk(2, -1))
+        else:
+            h = self.act(_grouped_mm(xs, self.w_gate, offs), _grouped_mm(xs, self.w_up, offs))
+        ys = _grouped_mm(h, self.w_down, offs)
         y = torch.empty_like(ys)
         y[order] = ys                                     # back to (token, choice) order: a permutation
         # other ranks' pairs got no GEMM: their rows are unwritten (maybe NaN), so select, not multiply
@@ -113,6 +140,11 @@ class Experts(nn.Module):
             h = self.act(xe @ self.w_gate[e].t(), xe @ self.w_up[e].t()) @ self.w_down[e].t()
             out.index_add_(0, tok, h.float() * weights.flatten()[sel, None])
         return out.to(x.dtype)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [P, K] @ w[e].T for each expert's rows: torch's grouped GEMM in moe_gemm's layout."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 
 def grouped_mm_ok(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:

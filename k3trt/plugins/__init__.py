@@ -7,7 +7,9 @@ cache_write_triton) are imported only on an op's first call with CUDA tensors, s
 never needs triton.
 """
 
-from k3trt.plugins import cache_write, kda, merge, mla_verify  # noqa: F401,E402
+from k3trt.plugins import (  # noqa: F401,E402
+    attn_res, cache_write, kda, kda_front, merge, mla_verify, moe_gemm, moe_route, norm_act,
+)
 
 
 @cache_write.mla_cache_write.register_kernel("cuda")

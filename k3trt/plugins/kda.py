@@ -300,6 +300,13 @@ def _(q, k, v, g, beta, state, scale, chunk_size=64):
     return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
 
 
+@kda_chunked.register_kernel("cuda")
+def _kda_chunked_cuda(q, k, v, g, beta, state, scale, chunk_size=64):
+    from . import kda_chunk_triton  # lazy: triton is imported only on the CUDA path
+
+    return kda_chunk_triton.kda_chunked_cuda(q, k, v, g, beta, state, scale, chunk_size)
+
+
 # ----------------------------------------------------------------------------- short conv
 def _short_conv_torch(x: Tensor, weight: Tensor, conv_state: Tensor,
                       save_all: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -26,6 +26,7 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache, StepContext
+from k3trt.model.fuse import fuse_projections_
 from k3trt.runtime.kv_cache import CachePlan
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,12 @@ class TorchSession(EngineSession):
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, plan: CachePlan, *, device: torch.device | str,
                  dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0,
-                 spare_slots: int = 0):
+                 spare_slots: int = 0, fuse: bool | None = None):
         self.model, self.cfg, self.plan, self.device = model, cfg, plan, torch.device(device)
+        # fused projections (model/fuse.py): one GEMM where several read the same input; on the
+        # GPU by default, where decode is launch- and bandwidth-bound
+        if self.device.type == "cuda" if fuse is None else fuse:
+            fuse_projections_(model)
         # spare KDA slots past the plan's: padding rows of static steps write there (graphs.py)
         self.cache = ModelCache.allocate(cfg, num_blocks=plan.num_blocks, block_size=plan.block_size,
                                          num_slots=plan.num_slots + spare_slots, max_q=max_q, dtype=dtype, kv_dtype=kv_dtype,

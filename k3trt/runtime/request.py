@@ -77,7 +77,7 @@ class RequestOutput:
     """A snapshot of one request (``generate`` returns finished ones; ``stream`` yields deltas)."""
     request_id: str
     index: int                          # position in the caller's batch
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]         # one list shared by a request's snapshots: read, don't mutate
     text: str
     token_ids: list[int]
     finished: bool
@@ -131,13 +131,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
-        self.stats.prompt_tokens = len(self.prompt_ids)
+        # the prompt never changes: its length is read several times per request and step, and
+        # snapshots share one copy of it (at batch 128 these were ~10% of a step's host time)
+        self.num_prompt = len(self.prompt_ids)
+        self._prompt_out = list(self.prompt_ids)
+        self.stats.prompt_tokens = self.num_prompt
         if self.params.logprobs is not None:
             self.logprobs = []
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:
@@ -199,7 +199,7 @@ class Request:
         delta_text = self.pending_text(hold)
         delta_ids, self.emitted_tokens = self.output_ids[self.emitted_tokens:], self.num_output
         return RequestOutput(
-            request_id=self.request_id, index=self.index, prompt_token_ids=list(self.prompt_ids),
+            request_id=self.request_id, index=self.index, prompt_token_ids=self._prompt_out,
             text=self.text if self.finished else self.text[:self.emitted_text], token_ids=self.output_ids,
             finished=self.finished, finish_reason=self.finish_reason.value if self.finish_reason else None,
             stop_reason=self.stop_reason, error=self.error, delta_text=delta_text, delta_token_ids=delta_ids,
