@@ -95,7 +95,7 @@ class EngineSession(abc.ABC):
     def prefill(self, batch: Batch) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def verify(self, batch: Batch) -> torch.Tensor: ...
+    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
     @abc.abstractmethod
     def copy_kda(self, pairs: list[tuple[int, int]]) -> None: ...
@@ -124,21 +124,24 @@ class TorchSession(EngineSession):
         log.info("torch session on %s: %d MLA + %d KDA layers, %s cache", self.device, len(self.cache.mla),
                  len(self.cache.kda), kv_dtype)
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
         ctx = StepContext(batch.q_lens, batch.ctx_lens, batch.slot_mapping.to(dev), batch.block_table.to(dev),
                           batch.kda_slots.to(dev), batch.save_kda_states)
         logit_rows = batch.logit_rows.to(dev)     # before the forward: after it, the copy would wait for it
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids.to(dev), ctx, self.cache)
+            ids = batch.input_ids.to(dev) if device_ids is None else device_ids
+            hidden = self.model(ids, ctx, self.cache)
             self.hidden = hidden if batch.keep_hidden else None
             return self.model.logits(hidden[logit_rows])
 
     def prefill(self, batch: Batch) -> torch.Tensor:
         return self._forward(batch)
 
-    def verify(self, batch: Batch) -> torch.Tensor:
-        return self._forward(batch)
+    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """device_ids: the step's token ids already on the device (int64 [T]), used instead of
+        batch.input_ids (runtime/lookahead.py)."""
+        return self._forward(batch, device_ids)
 
     def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
         with torch.inference_mode():

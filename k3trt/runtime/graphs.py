@@ -180,18 +180,23 @@ class GraphSession(TorchSession):
         st.logits = self.model.logits(st.hidden)
 
     # ---------------------------------------------------------------------------------- steps
-    def verify(self, batch: Batch) -> torch.Tensor:
+    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         need = max(batch.q_lens)
         st = min((st for (S, Q), st in self.steps.items() if S == batch.capacity and Q >= need),
                  key=lambda st: st.layout.Q, default=None)
         if st is None or batch.block_table.shape[1] > st.layout.max_blocks:
             self.graph_stats["eager"] += 1
-            return super().verify(batch)
+            return super().verify(batch, device_ids)
+        if device_ids is not None and (st.layout.Q != 1 or len(device_ids) != batch.num_tokens):
+            raise ValueError(f"device_ids need a one-row-per-sequence step; got {len(device_ids)} ids for "
+                             f"{batch.num_tokens} tokens at Q={st.layout.Q}")
         self.graph_stats["graph" if self.capture else "static"] += 1
         if st.copied is not None:
             st.copied.synchronize()            # the previous step's copy out of st.host is done
         st.layout.pack(batch, self.spare_slot, st.host)
         st.dev.copy_(st.host, non_blocking=True)
+        if device_ids is not None:      # one row per sequence: the first T rows, in order
+            st.views["input_ids"][:batch.num_tokens].copy_(device_ids)
         short = [i for i, n in enumerate(batch.q_lens) if n < st.layout.Q]
         if short:       # index tensors made now: a copy to the device after the replay would wait for it
             short = (batch.kda_slots[short].to(self.device), torch.tensor(batch.q_lens)[short].to(self.device) - 1)

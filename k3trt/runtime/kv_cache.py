@@ -220,10 +220,11 @@ class CacheManager:
         req.num_registered, req.num_computed = hit, hit * self.block_size
         req.stats.cached_tokens = req.num_computed
 
-    def commit(self, req) -> None:
+    def commit(self, req, reserve: int = 0) -> None:
         """After a step: register the request's newly full blocks, checkpoint its KDA state if it
-        sits on a block boundary, and return blocks past its cached length (rejected drafts)."""
-        keep = self.blocks_for(req.num_computed)
+        sits on a block boundary, and return blocks past its cached length (rejected drafts) plus
+        `reserve` tokens (a step already launched writes there: runtime/lookahead.py)."""
+        keep = self.blocks_for(req.num_computed + reserve)
         while len(req.blocks) > keep:
             self.pool.release(req.blocks.pop())
         if not self.prefix_caching:

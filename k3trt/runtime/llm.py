@@ -32,7 +32,7 @@ import torch
 
 from k3trt.builder.capacities import Capacities
 from k3trt.builder.engine_dir import BuildConfig, read_engine_dir
-from k3trt.runtime import sampling
+from k3trt.runtime import lookahead, sampling
 from k3trt.runtime.engine import TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
@@ -143,11 +143,12 @@ class LLM:
         self.tokenizer, self.eos_ids = _load_tokenizer(tokenizer_dir)
         self.vocab_size = cfg.vocab_size
         self._grammars = None       # structured.runtime.Grammars, made by the first guided request
+        self._ahead: lookahead.Launched | None = None    # a step launched before its inputs' commit
         self._requests: dict[str, Request] = {}
         self._touched: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(opts.seed)
-        self.counters: dict[str, Any] = {"steps": 0, "preemptions": 0, "generated_tokens": 0,
+        self.counters: dict[str, Any] = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "launched_ahead": 0,
                                          "capacity_hits": {"verify": Counter(), "prefill": Counter()}}
         log.info("runtime on %s: verify capacities %s, prefill capacities %s, max_model_len %d, speculative %s "
                  "(K=%d), CUDA graphs %s", device, list(verify), list(self.config.prefill_capacities),
@@ -226,6 +227,24 @@ class LLM:
     # ---------------------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns a snapshot (with deltas) of every request that changed."""
+        if self._ahead is not None:      # launched by the previous call, ahead of its tokens
+            plan, out, self._ahead = self._ahead.plan, self._ahead.out, None
+        else:
+            scheduled = self._schedule_and_forward()
+            if isinstance(scheduled, list):
+                return scheduled
+            plan, out = scheduled
+        argmax = None
+        if lookahead.can_launch_ahead(self, plan):
+            # the next step starts from this one's argmax on the device; this one's tokens are
+            # read (and committed) while it runs
+            argmax = lookahead.ArgmaxOnHost(out.logits)
+            self._ahead = lookahead.launch_ahead(self, plan, argmax)
+        self._sample_and_commit(out.rows, out.logits, argmax.tolist() if argmax is not None else None)
+        return self._emit()
+
+    def _schedule_and_forward(self) -> tuple[StepPlan, StepOutput] | list[RequestOutput]:
+        """Schedule a step and launch it; the outputs to return instead when nothing can run."""
         if self._grammars is not None:
             self._grammars.attach_ready(self.scheduler.compiling, self._fault)
         self.spec.draft([r for r in self.scheduler.running if r.status is Status.RUNNING and r.decoding],
@@ -257,8 +276,7 @@ class LLM:
             guided_rows = self._grammars.fill(out.rows, self._fault)
             if guided_rows:
                 self._grammars.apply(out.logits, guided_rows)
-        self._sample_and_commit(out.rows, out.logits)
-        return self._emit()
+        return plan, out
 
     def _forward(self, plan: StepPlan) -> StepOutput:
         """Run the step; prefill chunks that do not complete their prompt are committed here."""
@@ -274,8 +292,8 @@ class LLM:
                 self.cache.commit(c.req)
         return out
 
-    def _sample_and_commit(self, rows: list[Rows], logits: torch.Tensor) -> None:
-        verdicts = decide([r for r in rows if not r.req.finished], logits, self._fault)
+    def _sample_and_commit(self, rows: list[Rows], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
+        verdicts = decide([r for r in rows if not r.req.finished], logits, self._fault, argmax)
         slots, positions = [], []
         for r in rows:
             req = r.req
@@ -316,7 +334,8 @@ class LLM:
         # cached now: every row but the last kept token's (the verify rows of the token before the
         # block and of the accepted drafts); rows past them belong to rejected drafts
         req.num_computed = base - 1 + len(block)
-        self.cache.commit(req)
+        # a step launched ahead writes this request's next position: its block stays
+        self.cache.commit(req, reserve=1 if self._ahead is not None and self._ahead.holds(req) else 0)
         self.spec.committed(req, base - 1, block, hidden, self._fault)
         return None if req.finished else len(block)
 

@@ -145,13 +145,16 @@ class Speculator:
         return {"method": self.drafter.name, "spec_tokens": self.k if self.enabled else 0, **self.stats.to_dict()}
 
 
-def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault) -> dict[int, Verdict]:
+def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,
+           argmax: list[int] | None = None) -> dict[int, Verdict]:
     """Acceptance for every request of the step (keyed by id(req)); logits [R, V] fp32 are the
-    step's rows, already masked by grammars. A fault in one request's processors ends only it."""
+    step's rows, already masked by grammars; `argmax`, when given, is their argmax, already on the
+    host. A fault in one request's processors ends only it."""
     out: dict[int, Verdict] = {}
     plain = [r for r in rows if r.req.params.plain]
     if plain:      # argmax only: one batched argmax and one batched acceptance
-        best = logits.argmax(-1).tolist()       # every row (the few non-plain ones too): one sync
+        # every row (the few non-plain ones too): one sync
+        best = logits.argmax(-1).tolist() if argmax is None else argmax
         d, nd = pad_drafts([r.req.drafts for r in plain])
         width = d.shape[1] + 1
         target = torch.tensor([best[r.row0:r.row0 + r.num] + [0] * (width - r.num) for r in plain],

@@ -400,7 +400,9 @@ class TrtSession(EngineSession):
         return list(self.cfg.kda_layers)
 
     # -- EngineSession
-    def verify(self, batch: Batch) -> torch.Tensor:
+    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if device_ids is not None:
+            raise NotImplementedError("the TensorRT session takes token ids from the batch only")
         cap = pick(self.verify_caps, len(batch.q_lens), "verify")
         name = f"verify_b{cap}"
         x, rows = verify_inputs(batch, self.layouts[name].spec, self.scratch_slot, positions=self.rope)
