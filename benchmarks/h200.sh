@@ -39,7 +39,7 @@ for s in "${stages[@]}"; do
         tests) run gpu_tests "${TESTS_S:-180}" python -m pytest -v -n 8 -m gpu -p no:cacheprovider \
                    tests/test_graphs_gpu.py tests/test_kda_triton.py tests/test_cache_write_triton.py \
                    tests/test_mla_cuda_gpu.py tests/test_moe_gemm.py tests/test_moe_route.py tests/test_norm_act.py \
-                   tests/test_attn_res_op.py tests/test_kda_front.py ${EXTRA_TESTS:-} ;;
+                   tests/test_attn_res_op.py tests/test_kda_front.py tests/test_kda_chunk_triton.py ${EXTRA_TESTS:-} ;;
         e2e) run e2e "${E2E_S:-480}" python benchmarks/e2e.py --budget-s "${E2E_BUDGET_S:-400}" --json "$OUT/e2e.json" ;;
         structured) run structured "${STRUCTURED_S:-240}" python benchmarks/structured.py --device cuda --preset medium \
                         --batches 1,32,128 --speculative none --json "$OUT/structured_medium.json" ;;

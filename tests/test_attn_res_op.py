@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +32,7 @@ import torch
 from k3trt.plugins import attn_res as ops
 from k3trt.plugins.attn_res import attn_res_reference
 from k3trt.testing import assert_close
+from triton_interp import run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -302,13 +301,7 @@ def interpreter_main() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernel_under_interpreter():
     """The kernel's own code on the CPU: the source tile and its masks, the write slot, the passes."""
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_attn_res_op as t; t.interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreted kernel failed:\n{proc.stderr[-6000:]}"
+    run_interpreted("test_attn_res_op")
 
 
 # ----------------------------------------------------------------------------- GPU

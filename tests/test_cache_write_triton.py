@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3trt.plugins.cache_write import mla_cache_write_reference
+from triton_interp import run_interpreted
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -140,12 +137,7 @@ def interpreter_main() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernel_under_interpreter():
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_cache_write_triton as t; t.interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted kernel failed:\n{proc.stderr[-6000:]}"
+    run_interpreted("test_cache_write_triton")
 
 
 def test_cpu_op_is_the_torch_body():

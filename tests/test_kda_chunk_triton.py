@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +31,7 @@ import torch.nn.functional as F
 
 from k3trt.plugins import kda as ops
 from k3trt.testing import assert_close
+from triton_interp import run_interpreted
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # kernel vs torch body: both fp32, only chunking (16 vs the body's chunk) and summation order differ
@@ -188,12 +186,7 @@ def interpreter_main() -> None:
 def test_triton_kernel_under_interpreter():
     """The kernel's own code on the CPU (Triton's interpreter): chunk edges, strides, column blocks,
     masks and the stable exponents, against the torch body and the fp64 oracle."""
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_kda_chunk_triton as t; t.interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted kernel failed:\n{proc.stderr[-6000:]}"
+    run_interpreted("test_kda_chunk_triton", timeout=600)
 
 
 # ----------------------------------------------------------------------------- CPU: no kernel launched

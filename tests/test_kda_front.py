@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
 import subprocess
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from k3trt.plugins import kda_front as front
 from k3trt.testing import assert_close
+from triton_interp import run_interpreted
 
 F32, BF16 = torch.float32, torch.bfloat16
 K = 4
@@ -371,12 +370,7 @@ def interpreter_main() -> None:
 def test_triton_kernels_under_interpreter():
     """The kernels' own code on the CPU: channel / head blocks and their partial tails, strides,
     masks of fresh / unowned / out-of-range slots, per-position stores, both gate forms."""
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_kda_front as t; t.interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-6000:]}"
+    run_interpreted("test_kda_front")
 
 
 # ----------------------------------------------------------------------------- GPU

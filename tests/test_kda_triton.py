@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ import torch.nn.functional as F
 
 from k3trt.plugins import kda as ops
 from k3trt.testing import assert_close
+from triton_interp import run_interpreted
 
 F32 = torch.float32
 # kernel vs torch body: both fp32, only the order of the dk-long sums differs
@@ -259,12 +258,7 @@ def interpreter_main() -> None:
 def test_triton_kernel_under_interpreter():
     """The kernel's own code on the CPU (Triton's interpreter), against the torch body: the column
     blocks, strides, masks of fresh / unowned / out-of-range slots and the per-position stores."""
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_kda_triton as t; t.interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted kernel failed:\n{proc.stderr[-6000:]}"
+    run_interpreted("test_kda_triton")
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -10,18 +10,14 @@ Output buffers are NaN where no expert writes: the comparisons cover only rows <
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3trt.plugins import moe_gemm as ops
 from k3trt.testing import assert_close
+from triton_interp import needs_triton, run_interpreted
 
 
 def gpu(fn):
@@ -124,7 +120,7 @@ INTERPRETER_CASES = [(P, E, N, K, dt, foreign) for (P, E, N, K, foreign), dt in 
     [(1, 4, 48, 64, 0), (20, 4, 40, 96, 3), (37, 5, 64, 200, 0), (0, 3, 16, 32, 0)], ["float32", "float16"])]
 
 
-def _interpreter_main() -> None:
+def interpreter_main() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess: the launcher on CPU tensors vs the oracle."""
     from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd
     for i, (P, E, N, K, dt, foreign) in enumerate(INTERPRETER_CASES):
@@ -143,14 +139,9 @@ def _interpreter_main() -> None:
     print("ok", len(INTERPRETER_CASES))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@needs_triton
 def test_kernel_under_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    code = "import test_moe_gemm as t; t._interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ok" in proc.stdout
+    assert "ok" in run_interpreted("test_moe_gemm")
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -8,17 +8,13 @@ and capture / replay. Rows of y for other ranks' experts are NaN: they must neve
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3trt.plugins.moe_route import moe_combine_reference, moe_route_reference
 from k3trt.testing import assert_close
+from triton_interp import needs_triton, run_interpreted
 
 ROUTE_CASES = [  # (T, E, k, sigmoid, renormalize, bias)
     (1, 32, 16, True, True, True), (5, 40, 3, False, False, False), (3, 8, 8, True, True, False),
@@ -92,7 +88,7 @@ def test_errors_and_opcheck():
     torch.library.opcheck(torch.ops.k3trt.moe_combine.default, (y.nan_to_num(), ids, w, 4))
 
 
-def _interpreter_main() -> None:
+def interpreter_main() -> None:
     from k3trt.plugins.moe_route_triton import moe_combine_fwd, moe_route_fwd
     for i, (T, E, k, sigmoid, renorm, bias) in enumerate(ROUTE_CASES):
         logits, b = route_inputs(T, E, bias, i)
@@ -110,14 +106,9 @@ def _interpreter_main() -> None:
     print("ok")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@needs_triton
 def test_kernels_under_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    proc = subprocess.run([sys.executable, "-c", "import test_moe_route as t; t._interpreter_main()"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ok" in proc.stdout
+    assert "ok" in run_interpreted("test_moe_route")
 
 
 @gpu

@@ -16,17 +16,16 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from k3trt.plugins import norm_act as na
 from k3trt.testing import TOLERANCES, assert_close
+from triton_interp import run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -297,13 +296,7 @@ def interpreter_main() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_under_interpreter():
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
-    code = "import torch; torch.set_num_threads(1); import test_norm_act as t; t.interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-6000:]}"
+    run_interpreted("test_norm_act")
 
 
 # ----------------------------------------------------------------------------- GPU
