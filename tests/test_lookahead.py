@@ -74,3 +74,18 @@ def test_arrivals_and_abort_while_a_step_is_ahead(engine, reference):
     assert done[3].finish_reason == "abort"
     assert llm.stats()["launched_ahead"] > 0
     assert_released(llm)
+
+
+def test_a_failed_launch_ahead_loses_nothing(engine, reference, monkeypatch):
+    """If launching ahead fails, the step's own tokens still commit and decoding goes on in step."""
+    from k3trt.runtime import lookahead
+    ps, want = reference
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(lookahead, "launch_ahead", broken)
+    outs = llm.generate(ps[:2], [SamplingParams(max_tokens=n) for n in MAX_TOKENS[:2]])
+    assert [o.token_ids for o in outs] == want[:2]
+    assert llm.stats()["launched_ahead"] == 0
+    assert_released(llm)

@@ -239,7 +239,12 @@ class LLM:
             # the next step starts from this one's argmax on the device; this one's tokens are
             # read (and committed) while it runs
             argmax = lookahead.ArgmaxOnHost(out.logits)
-            self._ahead = lookahead.launch_ahead(self, plan, argmax)
+            try:
+                self._ahead = lookahead.launch_ahead(self, plan, argmax)
+            except Exception as e:   # this step's tokens still commit; the next step is scheduled normally
+                log.warning("launching the next step ahead failed (%s: %s); stepping synchronously",
+                            type(e).__name__, e)
+                self._ahead = None
         self._sample_and_commit(out.rows, out.logits, argmax.tolist() if argmax is not None else None)
         return self._emit()
 
