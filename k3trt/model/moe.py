@@ -25,7 +25,7 @@ from torch import nn
 
 from k3trt.config import ModelConfig
 from k3trt.model.fuse import fuse_params_
-from k3trt.model.layers import GatedMLP, RMSNorm, gated_act
+from k3trt.model.layers import GatedMLP, RMSNorm, fused_ops, gated_act
 from k3trt.parallel.comm import SINGLE, Comm
 from k3trt.plugins import moe_gemm, moe_route  # noqa: F401  (moe_route registers its ops)
 
@@ -46,7 +46,7 @@ def route(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> 
     T, E, k = logits.shape[0], cfg.num_experts, cfg.num_experts_per_token
     sigmoid, grouped = cfg.moe_router_activation_func == "sigmoid", cfg.use_grouped_topk and cfg.num_expert_group > 1
     bias = bias if (bias is not None and cfg.topk_method == "noaux_tc") else None
-    if logits.is_cuda and not grouped and not torch.compiler.is_exporting():
+    if fused_ops(logits) and not grouped:
         # one kernel instead of ~8 (plugins/moe_route.py; the code below is its reference)
         return torch.ops.k3trt.moe_route(logits, bias, k, sigmoid, cfg.moe_renormalize, cfg.routed_scaling_factor)
     scores = torch.sigmoid(logits) if sigmoid else logits.softmax(-1)
