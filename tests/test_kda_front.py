@@ -2,12 +2,12 @@
 norm, decay, beta) as two ops, and their Triton kernels.
 
 CPU (CI): the ops' torch bodies against independent oracles (``k3trt::short_conv`` row by row with
-explicit gathers; the model's own ``KDA.decay`` and ``_l2norm``); opcheck; argument errors; the
-Triton kernels under Triton's interpreter (a subprocess with TRITON_INTERPRET=1, which must be set
-before triton is imported) against the torch bodies. The interpreter's fp32 -> bf16 casts may be
+explicit gathers; the spec's q/k norm, decay and beta written out again); opcheck; argument errors;
+the Triton kernels under Triton's interpreter (a subprocess with TRITON_INTERPRET=1, which must be
+set before triton is imported) against the torch bodies. The interpreter's fp32 -> bf16 casts may be
 inexact (see test_cache_write_triton.py), so there the inputs are bf16-exact and fp32 caches differ
-from bf16 values only below half an ulp: every cache value compares bit for bit, only bf16 y loosely;
-rounding of arbitrary values is checked on the GPU.
+from bf16 values only below half an ulp: every cache value compares bit for bit, only bf16 y
+loosely; rounding of arbitrary values is checked on the GPU.
 GPU (``-m gpu``, on the H200): K3 sizes (96 heads of 128) in bf16 against the torch bodies, the
 fallback, and capture / replay of both ops in a CUDA graph with new inputs.
 
@@ -22,7 +22,6 @@ import importlib.util
 import itertools
 import subprocess
 import sys
-import types
 from dataclasses import dataclass
 
 import pytest
@@ -201,11 +200,15 @@ def make_prep_inputs(case: PrepCase, seed: int = 0, device: str | torch.device =
 
 
 def prep_oracle(y, f, b, dt_bias, A_log, H, D, lower_bound):
-    """The model's own code: KDA.decay_from (on a stand-in holding only what it reads) and _l2norm."""
-    from k3trt.model.kda import KDA, _l2norm
-    layer = types.SimpleNamespace(num_heads=H, head_dim=D, dt_bias=dt_bias, A_log=A_log, gate_lower_bound=lower_bound)
-    q, k, v = y.reshape(-1, 3, H, D).unbind(1)
-    return _l2norm(q), _l2norm(k), v.float(), KDA.decay_from(layer, f), torch.sigmoid(b.float())
+    """The spec's math written out again (spec/K3_MODEL.md, KDA), in fp32: q, k L2-normalised with
+    eps 1e-6 under the root, v as is, g = lower_bound·sigmoid(e^A_log·(f + dt_bias)) (without a
+    bound -e^A_log·softplus(f + dt_bias)), beta = sigmoid(b)."""
+    q, k, v = y.float().reshape(-1, 3, H, D).unbind(1)
+    norm = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    raw = f.float().reshape(-1, H, D) + dt_bias.float().reshape(H, D)
+    a = A_log.float().exp().reshape(H, 1)
+    g = lower_bound * torch.sigmoid(a * raw) if lower_bound is not None else -a * torch.nn.functional.softplus(raw)
+    return norm(q), norm(k), v, g, torch.sigmoid(b.float())
 
 
 def check_prep(out, ref, case: PrepCase, tol: dict) -> None:

@@ -25,7 +25,7 @@ from k3trt.model.fuse import fuse_params_
 from k3trt.model.layers import fused_ops
 from k3trt.parallel.comm import SINGLE, Comm
 from k3trt.plugins import kda as _kda_ops  # noqa: F401  (registers torch.ops.k3trt.kda_*)
-from k3trt.plugins import kda_front as _kda_front_ops  # noqa: F401  (short_conv_slots, kda_prep)
+from k3trt.plugins.kda_front import kda_prep_reference  # (also registers short_conv_slots, kda_prep)
 
 # Sequences with more new tokens than this use the chunked form (unless every per-position state
 # is wanted, which only the recurrent form produces); decode and verification steps stay recurrent.
@@ -33,9 +33,9 @@ CHUNKED_MIN_TOKENS = 16
 # Chunk of the chunked form. Its plain-torch body materialises [chunk, chunk, dk] decays per head, so
 # traffic grows with the chunk and launches with the chunk count. On the H200 at K3 sizes (96 heads,
 # 2048 tokens; benchmarks/kda_chunk.py, results/kda_chunk_h200.json): 37 ms per layer at 32 against
-# 57 at 64 and 68 at 16. A Triton kernel for this form is what prefill needs next.
+# 57 at 64 and 68 at 16. That is the torch body's chunk; on CUDA the Triton kernel
+# (plugins/kda_chunk_triton.py) works in 16-token chunks whatever this says.
 PREFILL_CHUNK = 32
-L2_EPS = 1e-6   # as in fla's l2norm: x / sqrt(sum(x^2) + eps)
 
 
 class _RMSNorm(nn.Module):
@@ -58,11 +58,6 @@ class _ConvWeight(nn.Module):
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
-
-
-def _l2norm(x: Tensor) -> Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
 
 
 class KDA(nn.Module):
@@ -126,19 +121,6 @@ class KDA(nn.Module):
         return qkv, gate.reshape(-1, self.num_heads, self.head_dim), self.f_b_proj(fa), b
 
     # ------------------------------------------------------------------------- per-token parts
-    def decay(self, x: Tensor) -> Tensor:
-        """Log-space decay g [T, H, D] (fp32, <= 0) for inputs x [T, hidden]."""
-        return self.decay_from(self.f_b_proj(self.f_a_proj(x)))
-
-    def decay_from(self, f: Tensor) -> Tensor:
-        """The decay from f_b_proj(f_a_proj(x)) [T, H·D]."""
-        H, D = self.num_heads, self.head_dim
-        raw = f.float().view(-1, H, D) + self.dt_bias.float().view(H, D)
-        a = self.A_log.float().exp().view(H, 1)
-        if self.gate_lower_bound is not None:
-            return self.gate_lower_bound * torch.sigmoid(a * raw)
-        return -a * F.softplus(raw)
-
     def output_gate(self, x: Tensor) -> Tensor:
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         return gate.view(-1, self.num_heads, self.head_dim)
@@ -206,14 +188,15 @@ class KDA(nn.Module):
         # functional ops around gathers and scatters: the chunked form (prefill), and every form
         # under torch.export, whose ONNX translation (builder/onnx_ops.py) knows short_conv and
         # kda_recurrent but not the in-place ops
-        g = self.decay_from(f).view(B, n, H, D)
-        beta = torch.sigmoid(b.float()).view(B, n, H)
         # torch.where (not a multiply) so that NaN garbage in a reused slot cannot leak through
         keep = ~fresh
         conv0 = torch.where(keep.view(B, 1, 1), cache.conv[slots].to(qkv.dtype), 0.0)
         y, conv1, conv_all = torch.ops.k3trt.short_conv(qkv, conv_w, conv0, save)
-        q, k, v = y.view(B, n, 3, H, D).unbind(2)
-        q, k, v = _l2norm(q), _l2norm(k), v.float()
+        # q/k L2 norms, the decay g (log-space, <= 0) and beta: kda_prep's math, its plain-torch form
+        q, k, v, g, beta = kda_prep_reference(y.view(B * n, -1), f, b, self.dt_bias, self.A_log, H, D,
+                                              self.gate_lower_bound)
+        shape = (B, n, H, D)
+        q, k, v, g, beta = q.view(shape), k.view(shape), v.view(shape), g.view(shape), beta.view(B, n, H)
         state0 = torch.where(keep.view(B, 1, 1, 1), cache.state[slots], 0.0)
         if chunked:
             o, state1 = torch.ops.k3trt.kda_chunked(q, k, v, g, beta, state0, self.scale, PREFILL_CHUNK)

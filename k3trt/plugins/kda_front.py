@@ -52,7 +52,7 @@ __all__ = ["short_conv_slots", "kda_prep", "short_conv_slots_reference", "kda_pr
 
 log = logging.getLogger(__name__)
 
-L2_EPS = 1e-6        # as k3trt/model/kda.py (fla's l2norm)
+L2_EPS = 1e-6        # as in fla's l2norm: x / sqrt(sum(x^2) + eps)
 CONV_KERNEL = 4      # the only conv width the Triton kernel is written for (K3's)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -166,7 +166,8 @@ def _l2norm(x: Tensor) -> Tensor:
 
 def kda_prep_reference(y: Tensor, f: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor, num_heads: int,
                        head_dim: int, lower_bound: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The torch body: the code the KDA layer runs (its ``_l2norm`` and ``decay``), from y, f, b."""
+    """The torch body, and the KDA layer's own math for these (model/kda.py calls it on the paths
+    that do not take the op: prefill's chunked form and torch.export)."""
     T, H, D = y.shape[0], num_heads, head_dim
     q, k, v = y.view(T, 3, H, D).unbind(1)
     # copy=True: with fp32 y, .float() would return a view of the input, which an op may not
