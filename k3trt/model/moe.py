@@ -100,18 +100,18 @@ class Experts(nn.Module):
         counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts[:E].cumsum(0, dtype=torch.int32)   # group ends; pairs past offs[-1] get no GEMM
+        src = order // k                                  # each pair's token
         if moe_gemm.use_kernel(T * k, E, x):
             # few rows per expert: our kernel, which also gathers the tokens and scatters the
             # results back to (token, choice) order, then one kernel for the weighted sum
             gemm = torch.ops.k3trt.moe_gemm
-            src = order // k
             if self.gate_up is not None:
                 h = self.act(*gemm(x, self.gate_up, offs, src).chunk(2, -1))
             else:
                 h = self.act(gemm(x, self.w_gate, offs, src), gemm(x, self.w_up, offs, src))
             y = gemm(h, self.w_down, offs, None, order, T * k)
             return torch.ops.k3trt.moe_combine(y, ids, weights, E)
-        xs = x[order // k]
+        xs = x[src]
         if self.gate_up is not None:
             h = self.act(*_grouped_mm(xs, self.gate_up, offs).chunk(2, -1))
         else:

@@ -286,16 +286,20 @@ class LLM:
     def _forward(self, plan: StepPlan) -> StepOutput:
         """Run the step; prefill chunks that do not complete their prompt are committed here."""
         out = run_plan(self.session, plan, block_size=self.cache.block_size, keep_hidden=self.spec.needs_hidden)
-        self.counters["steps"] += 1
-        for kind, cap in (("verify", plan.verify_capacity), ("prefill", plan.prefill_capacity)):
-            if cap is not None:
-                self.counters["capacity_hits"][kind][cap] += 1
+        self.count_step(plan)
         for c, hidden in zip(plan.prefills, out.chunk_hidden):
             self.spec.on_prefill(c.req, c.start, hidden, self._fault)
             if not c.completes and not c.req.finished:     # a completing chunk moves at its commit
                 c.req.num_computed += c.num_tokens
                 self.cache.commit(c.req)
         return out
+
+    def count_step(self, plan: StepPlan) -> None:
+        """One step run (here or launched ahead, runtime/lookahead.py), in the counters."""
+        self.counters["steps"] += 1
+        for kind, cap in (("verify", plan.verify_capacity), ("prefill", plan.prefill_capacity)):
+            if cap is not None:
+                self.counters["capacity_hits"][kind][cap] += 1
 
     def _sample_and_commit(self, rows: list[Rows], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
         verdicts = decide([r for r in rows if not r.req.finished], logits, self._fault, argmax)

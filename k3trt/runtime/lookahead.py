@@ -89,8 +89,7 @@ def launch_ahead(llm, plan: StepPlan, argmax: ArgmaxOnHost) -> Launched | None:
     seqs = [Seq([0], r.num_computed + 1, r.blocks, r.kda_slot, 1) for r in reqs]
     batch = make_batch(seqs, llm.cache.block_size, capacity=plan.verify_capacity)
     logits = llm.session.verify(batch, device_ids=argmax.dev)
-    llm.counters["steps"] += 1
-    llm.counters["capacity_hits"]["verify"][plan.verify_capacity] += 1
-    llm.counters["launched_ahead"] += 1
     nxt = StepPlan(decodes=list(reqs), verify_capacity=plan.verify_capacity)
+    llm.count_step(nxt)
+    llm.counters["launched_ahead"] += 1
     return Launched(nxt, StepOutput(logits, [Rows(r, i, 1) for i, r in enumerate(reqs)], []))
