@@ -163,11 +163,13 @@ def correctness_cases(full: bool):
     ]
 
 
-def run_correctness(full: bool):
+def run_correctness(full: bool, schedules=("shared", "pair")):
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
     results = []
-    for i, (label, lens, heads, kv, splits) in enumerate(correctness_cases(full)):
+    cases = [(f"{label} [{sched}]", lens, heads, kv, splits, sched)
+             for label, lens, heads, kv, splits in correctness_cases(full) for sched in schedules]
+    for i, (label, lens, heads, kv, splits, sched) in enumerate(cases):
         try:
             q, cache, table, seq_lens = make_inputs(lens, heads, kv, seed=i)
             kv_scale = 0.5 if kv == "fp8" else 1.0
@@ -175,7 +177,8 @@ def run_correctness(full: bool):
             out = torch.full((q.shape[0], heads, D_V), float("nan"), dtype=q.dtype, device="cuda")
             lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
             mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, Q_ROWS, scale, kv_scale, D_V,
-                                     num_splits=splits, out=out, lse=lse, poison_scratch=True)
+                                     num_splits=splits, out=out, lse=lse, poison_scratch=True,
+                                     schedule=sched)
             torch.cuda.synchronize()
             err = kernel_err()
             ref_out, ref_lse = mla_verify_ref(q, cache, table, seq_lens, Q_ROWS, scale, kv_scale,
@@ -201,7 +204,7 @@ def smoke_child():
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def time_cases(kernel, cases, ceil):
+def time_cases(kernel, cases, ceil, schedule="pair"):
     from mla_verify import FLASHMLA_US, graph_time_us, make_cache
 
     from k3trt.plugins.mla_verify import mla_verify_ref
@@ -216,7 +219,8 @@ def time_cases(kernel, cases, ceil):
             kv_fp8 = kv == "fp8"
             scale, kv_scale = 192 ** -0.5, (0.25 if kv_fp8 else 1.0)
             q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
-            row = dict(kernel=kernel, heads=heads, batch=batch, ctx=ctx, kv=kv)
+            label = f"cuda-{schedule}" if kernel == "cuda" else kernel
+            row = dict(kernel=label, heads=heads, batch=batch, ctx=ctx, kv=kv)
             try:
                 if kernel == "cuda":
                     from k3trt.plugins import mla_cuda
@@ -225,7 +229,8 @@ def time_cases(kernel, cases, ceil):
 
                     def call():
                         return mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens,
-                                                        Q_ROWS, scale, kv_scale, D_V, splits)
+                                                        Q_ROWS, scale, kv_scale, D_V, splits,
+                                                        schedule=schedule)
                 else:
                     import k3trt.plugins.mla_verify  # noqa: F401
                     os.environ["K3TRT_MLA_KERNEL"] = "triton"    # the op would pick the CUDA kernel
@@ -241,7 +246,7 @@ def time_cases(kernel, cases, ceil):
                 ref_out, ref_lse = mla_verify_ref(q[:nchk * Q_ROWS], inp.cache, inp.table[:nchk],
                                                   inp.seq_lens[:nchk], Q_ROWS, scale, kv_scale, D_V)
                 c = compare(out[:nchk * Q_ROWS], lse[:nchk * Q_ROWS], ref_out, ref_lse,
-                            f"{kernel} {kv} B{batch} L{ctx}")
+                            f"{label} {kv} B{batch} L{ctx}")
                 row["rel_err"], row["check_ok"] = c["rel_err"], c["ok"]
                 row["nan"] = bool(torch.isnan(out).any() or torch.isnan(lse).any())
                 us = graph_time_us(call)
@@ -271,20 +276,23 @@ def time_cases(kernel, cases, ceil):
 
 
 def print_table(rows):
+    """One line per case: µs and fraction of the roofline for each kernel that ran it."""
+    kernels = sorted({r["kernel"] for r in rows}, key=lambda k: (k != "triton", k))
     by = {}
     for r in rows:
         by.setdefault((r["kv"], r["heads"], r["batch"], r["ctx"]), {})[r["kernel"]] = r
-    cols = ("kv", "heads", "batch", "ctx", "triton_us", "triton_GB/s", "triton_frac", "cuda_us",
-            "cuda_GB/s", "cuda_frac", "speedup", "flashmla_us", "cuda_err")
-    print(" ".join(f"{c:>11}" for c in cols))
+    head = ["kv", "heads", "batch", "ctx"] + [f"{k}_{c}" for k in kernels for c in ("us", "frac")] \
+        + ["flashmla_us", "worst_err"]
+    print(" ".join(f"{c:>13}" for c in head))
     for (kv, heads, batch, ctx), d in sorted(by.items()):
-        t, c = d.get("triton", {}), d.get("cuda", {})
-        sp = round(t["us"] / c["us"], 2) if "us" in t and "us" in c else "-"
-        vals = (kv, heads, batch, ctx, t.get("us", "-"), t.get("gbps", "-"), t.get("fraction", "-"),
-                c.get("us", "-"), c.get("gbps", "-"), c.get("fraction", "-"), sp,
-                c.get("flashmla_us", t.get("flashmla_us", "-")),
-                c.get("rel_err", c.get("exception", "-")))
-        print(" ".join(f"{str(v)[:11]:>11}" for v in vals))
+        vals = [kv, heads, batch, ctx]
+        for k in kernels:
+            r = d.get(k, {})
+            vals += [r.get("us", "-"), r.get("fraction", "-")]
+        fm = next((r["flashmla_us"] for r in d.values() if "flashmla_us" in r), "-")
+        errs = [r["rel_err"] for r in d.values() if "rel_err" in r]
+        vals += [fm, max(errs) if errs else "-"]
+        print(" ".join(f"{str(v)[:13]:>13}" for v in vals))
     sys.stdout.flush()
 
 
@@ -298,6 +306,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="12", help="comma list of local head counts (12 = TP8, 96 = TP1)")
     ap.add_argument("--ctx", default="8192,32768")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--schedules", default="shared,pair",
+                    help="CUDA kernel schedules to time and check (mla_cuda.SCHEDULES)")
     ap.add_argument("--verbose-build", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke_child:
@@ -414,7 +424,8 @@ def main(argv=None):
     if smoke_ran:
         banner("4b. timing: CUDA kernel")
         t0 = time.time()
-        rows += time_cases("cuda", cases, ceil)
+        for sched in args.schedules.split(","):
+            rows += time_cases("cuda", cases, ceil, schedule=sched)
         print(f"cuda timing: {time.time() - t0:.1f}s", flush=True)
     else:
         print("\n(skipping CUDA kernel timing: it did not compile or its smoke run crashed)")
@@ -426,7 +437,7 @@ def main(argv=None):
     if smoke_ran:
         banner("5. full correctness vs mla_verify_ref")
         t0 = time.time()
-        RESULTS["correctness"] = run_correctness(full=True)
+        RESULTS["correctness"] = run_correctness(full=True, schedules=args.schedules.split(","))
         n_ok = sum(r.get("ok", False) for r in RESULTS["correctness"])
         print(f"correctness: {n_ok}/{len(RESULTS['correctness'])} ok in {time.time() - t0:.1f}s",
               flush=True)

@@ -2,7 +2,8 @@
 reference, on fresh random inputs: lengths not multiple of 64, zero length, batch 1 / 32, H = 12
 (one M tile) and H = 48 (three), bf16 and fp8 KV, split-K on and off, NaN-poisoned outputs and
 scratch (every element written, no unwritten partial read), NaN in every cache slot past a length.
-Relative error under 1e-2, never a NaN. Run on the H200 (sm_90 only; the extension JIT-builds on
+Both kernel schedules (``shared`` and ``pair``). Relative error under 1e-2,
+never a NaN. Run on the H200 (sm_90 only; the extension JIT-builds on
 first use): ``pytest -m gpu tests/test_mla_cuda_gpu.py``.
 """
 
@@ -39,7 +40,7 @@ def cases():
     return out
 
 
-def run(case, splits, seed):
+def run(case, splits, seed, schedule):
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
 
@@ -49,7 +50,8 @@ def run(case, splits, seed):
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
     mla_cuda.reset_kernel_error()
     mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, case.q_per_req, scale, case.kv_scale,
-                             case.d_v, num_splits=splits, out=out, lse=lse, poison_scratch=True)
+                             case.d_v, num_splits=splits, out=out, lse=lse, poison_scratch=True,
+                             schedule=schedule)
     assert mla_cuda.kernel_error() is None
     ref_out, ref_lse = mla_verify_ref(q, cache, table, seq_lens, case.q_per_req, scale,
                                       case.kv_scale, case.d_v)
@@ -59,17 +61,21 @@ def run(case, splits, seed):
 @pytest.mark.parametrize("case", cases(), ids=lambda c: f"L{len(c.lens)}x{max(c.lens)}-H{c.heads}-"
                          f"{'fp8' if c.kv_dtype == FP8 else 'bf16'}")
 @pytest.mark.parametrize("splits", [1, 5, None])
-def test_kernel_matches_reference(case, splits):
-    check(*run(case, splits, seed=splits or 0))
+@pytest.mark.parametrize("schedule", ["shared", "pair"])
+def test_kernel_matches_reference(case, splits, schedule):
+    check(*run(case, splits, seed=splits or 0, schedule=schedule))
 
 
-def test_captures_in_graph_and_follows_lengths():
+@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("schedule", ["shared", "pair"])
+def test_captures_in_graph_and_follows_lengths(kv, schedule):
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
-    case = _case((5, 900, 64), 12, FP8)
+    case = _case((5, 900, 64), 12, kv)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     call = lambda: mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, case.width ** -0.5,  # noqa: E731
-                                            case.kv_scale, case.d_v, num_splits=3)
+                                            case.kv_scale, case.d_v, num_splits=3,
+                                            schedule=schedule)
     out, lse = replay_shorter(call, seq_lens)
     check(out, lse, *mla_verify_ref(q, cache, table, seq_lens, 4, case.width ** -0.5,
                                     case.kv_scale, case.d_v))

@@ -1,23 +1,27 @@
-"""SM90 CUDA kernel for K3's memory-bound MLA verification (issue 11), JIT-built at first use.
+"""SM90 CUDA kernels for K3's MLA verification (issue 11), JIT-built at first use.
 
     from k3trt.plugins.mla_cuda import mla_verify_cuda
     out, lse = mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale,
                                kv_scale=1.0, d_v=512, num_splits=None)
 
 Same semantics as ``mla_verify_ref`` (k3trt/plugins/mla_verify.py) without DCP or the sparse
-policy, for the case the kernel is built for: q bf16 [B·Q, H, 576], d_v = 512, a contiguous paged
-cache [pages, 64, 576] in bf16 or float8_e4m3fn (value = fp8 · kv_scale), int32 block table and
-lengths. Any head count works (the Q·H folded rows are cut into 64-row tiles, one CTA each per
+policy, for the case the kernels are built for: q bf16 [B·Q, H, 576], d_v = 512, a contiguous
+paged cache [pages, 64, 576] in bf16 or float8_e4m3fn (value = fp8 · kv_scale), int32 block table
+and lengths. Any head count works (the Q·H folded rows are cut into 64-row tiles, one CTA each per
 split). ``num_splits`` None picks the split-K count that fills the GPU's SMs (plans.choose_splits,
 one CTA per SM); splits > 1 write fp32 partials to scratch ([rows, splits, 512], as mla_triton) and
 a merge kernel combines them by LSE.
 
-The design (mla_verify_sm90.cu's header has the details): per CTA one request's 64 rows × one
-split; two consumer warpgroups share each 64-token block, each computing the scores of its 32
-tokens (wgmma 64x32, Q resident in shared memory) and accumulating its own 256 of the 512 output
-columns (64x256 fp32 per warpgroup); TMA streams the pages through a two-stage ring of 72 KB
-blocks with one mbarrier per 8 KB chunk; the warpgroups reload the chunks they were the last to
-read, so one block is always in flight behind the one being computed.
+Two schedules of the same CTA (64 rows × one split, two consumer warpgroups, each owning 256 of
+the 512 output columns; TMA streams the pages through a two-stage ring of 72 KB blocks with one
+mbarrier per 8 KB chunk, and each warpgroup reloads the chunks it was the last to read):
+- ``pair`` (default; mla_verify_sm90_pair.cu): the warpgroups take the blocks two at a time, one
+  each for Q·K^T (a whole 64x64 score tile) and softmax, so one's softmax overlaps the other's
+  MMAs; P goes to the P·V wgmma from registers, and through shared memory to the other
+  warpgroup.
+- ``shared`` (mla_verify_sm90.cu, the first version): both warpgroups on each block, 32 tokens of
+  scores each; kept as the measured baseline.
+An fp8 cache lands as raw bytes and is expanded in place to fp16 before the same MMAs.
 
 Build: torch.utils.cpp_extension.load with nvcc for sm_90a (``-gencode=arch=compute_90a,
 code=sm_90a``: wgmma needs the "a" target). The build is cached by torch under
@@ -41,10 +45,14 @@ FP8 = torch.float8_e4m3fn
 PAGE, D_QK, D_V = 64, 576, 512
 MIN_SPLIT_BLOCKS = 4  # a request shorter than splits·4 pages spreads over fewer splits
 _DIR = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("binding.cpp", "mla_verify_sm90.cu")
+SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu")
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
               "-Xptxas=-v"]
 _TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out"}
+# kernel schedules (mla_verify_sm90.h): "shared" = both warpgroups on each block (v4), "pair" = the
+# warpgroups on alternate blocks (mla_verify_sm90_pair.cu)
+SCHEDULES = {"shared": 0, "pair": 1}
+DEFAULT_SCHEDULE = "pair"
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,10 +122,12 @@ def reset_kernel_error(device=None) -> None:
 
 def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0,
                     d_v=512, num_splits=None, *, out=None, lse=None, poison_scratch=False,
-                    min_split_blocks=MIN_SPLIT_BLOCKS):
+                    min_split_blocks=MIN_SPLIT_BLOCKS, schedule=DEFAULT_SCHEDULE):
     """out [B·Q, H, 512] bf16, lse [B·Q, H] fp32 (see the module docstring). Tests pass NaN-filled
     `out` / `lse` and `poison_scratch` to prove every element is written and no unwritten partial
     is read."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
     if reason:
         raise ValueError(f"mla_verify_cuda: unsupported call: {reason}")
@@ -141,5 +151,6 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
     mod = load_extension()
     mod.forward(q, kv_cache, block_table, seq_lens, int(q_per_req), float(softmax_scale),
                 float(kv_scale), num_splits, int(min_split_blocks), out, lse, part_o, part_lse,
-                _err_buffer(index), torch.cuda.current_stream(q.device).cuda_stream)
+                _err_buffer(index), SCHEDULES[schedule],
+                torch.cuda.current_stream(q.device).cuda_stream)
     return out, lse

@@ -12,7 +12,8 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
                     torch::Tensor seq_lens, int64_t q_per_req, double softmax_scale,
                     double kv_scale, int64_t num_splits, int64_t min_split_blocks,
                     torch::Tensor out, torch::Tensor lse, torch::Tensor part_o,
-                    torch::Tensor part_lse, torch::Tensor err, int64_t stream) {
+                    torch::Tensor part_lse, torch::Tensor err, int64_t schedule,
+                    int64_t stream) {
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kBFloat16 && q.is_contiguous(),
               "q must be contiguous bf16 on CUDA");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 576, "q must be [B*Q, H, 576]");
@@ -53,6 +54,7 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   a.heads = static_cast<int>(q.size(1));
   a.num_splits = static_cast<int>(num_splits);
   a.min_split_blocks = static_cast<int>(min_split_blocks);
+  a.schedule = static_cast<int>(schedule);
   a.softmax_scale = static_cast<float>(softmax_scale);
   a.kv_scale = static_cast<float>(kv_scale);
   a.out = out.data_ptr();

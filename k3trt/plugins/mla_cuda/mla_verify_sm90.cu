@@ -1,6 +1,8 @@
-// SM90 (Hopper, sm_90a) kernel for k3trt::mla_verify's memory-bound case: K3 MLA verification,
-// 576-wide latent rows (512 value columns + 64 rope), one shared latent KV head, paged cache with
-// 64-token pages, the Q·H query rows of a request folded into 64-row M tiles.
+// SM90 (Hopper, sm_90a) kernel for k3trt::mla_verify, "shared" schedule -- the first version; the
+// default "pair" schedule is mla_verify_sm90_pair.cu. This file also holds the host launch of both
+// and the split merge. K3 MLA verification: 576-wide latent rows (512 value columns + 64 rope),
+// one shared latent KV head, paged cache with 64-token pages, the Q·H query rows of a request
+// folded into 64-row M tiles.
 //
 // One CTA = (M tile of one request, split of its KV sequence); 256 threads = two consumer
 // warpgroups, no producer warp (each warpgroup issues the TMA loads of the chunks it is the last
@@ -33,29 +35,11 @@
 // readable error, not a stuck process.
 
 #include <cuda.h>
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <cstdint>
-#include <cstdio>
 
+#include "sm90_common.cuh"
 #include "mla_verify_sm90.h"
-#include "wgmma_ops.cuh"
-
-#ifndef MLA_WAIT_TIMEOUT_NS
-#define MLA_WAIT_TIMEOUT_NS 500000000ull  // 0.5 s
-#endif
 
 namespace k3mla {
-
-constexpr int kPage = 64;                 // tokens per page = per block
-constexpr int kD = 576;                   // latent width (kv_c | rope)
-constexpr int kDV = 512;                  // value columns
-constexpr int kChunks = kD / 64;          // 9 chunks of 64 columns
-constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
-constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
-constexpr int kThreads = 256;
 
 // shared-memory map (offsets from a 1024-aligned base)
 constexpr int kSmemQ = 0;
@@ -67,149 +51,6 @@ constexpr int kSmemBar = kSmemSum + 2 * 64 * 4;       // 2 x 9 mbarriers
 constexpr int kSmemUsed = kSmemBar + 2 * kChunks * 8;
 constexpr int kSmemAlloc = kSmemUsed + 1024;          // slack for aligning the base
 static_assert(kSmemAlloc <= 232448, "shared memory over the sm_90 limit");
-
-struct Params {
-  const void* q;          // [B*Q, H, 576] bf16
-  const int* block_table; // [B, bt_stride] int32
-  const int* seq_lens;    // [B] int32
-  void* out;              // [B*Q, H, 512] bf16 (num_splits == 1)
-  float* lse;             // [B*Q*H] fp32     (num_splits == 1)
-  float* part_o;          // [B*Q*H, splits, 512] fp32 (num_splits > 1)
-  float* part_lse;        // [B*Q*H, splits] fp32      (num_splits > 1)
-  int* err;               // [4] int32: timeout code, block, chunk, parity of the first timeout
-  int bt_stride;
-  int q_per_req;
-  int heads;
-  int rows_per_req;       // q_per_req * heads
-  int num_splits;
-  int min_split_blocks;
-  float scale_log2;       // softmax_scale * kv_scale * log2(e) (/ q pre-scale on the fp8 path)
-  float out_scale;        // kv_scale
-};
-
-// ----------------------------------------------------------------------------------------------
-// PTX helpers
-// ----------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-
-// Bounded wait: on a timeout record (code, a, b, parity) in err once and return (never hang).
-__device__ __forceinline__ void mbar_wait_slow(uint32_t bar, uint32_t parity, int* err, int code,
-                                            int a, int b) {
-  const uint64_t t0 = globaltimer();
-  while (!mbar_try_wait(bar, parity)) {
-    if (*reinterpret_cast<volatile int*>(err) != 0) return;  // another thread timed out: bail
-    if (globaltimer() - t0 > MLA_WAIT_TIMEOUT_NS) {
-      if (atomicCAS(err, 0, code) == 0) {
-        err[1] = a;
-        err[2] = b;
-        err[3] = static_cast<int>(parity);
-      }
-      return;
-    }
-  }
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* err, int code, int a,
-                                          int b) {
-  if (!mbar_try_wait(bar, parity)) mbar_wait_slow(bar, parity, err, code, a, b);
-}
-
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-__device__ __forceinline__ void named_bar(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// keeps the compiler from moving accumulator reads/writes across the async wgmma region
-__device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-// wgmma shared-memory descriptor, 128-byte swizzle (start, leading and stride byte offsets)
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack2(float a, float b, bool f16) {
-  if (f16) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// byte offset of the 16-byte piece `piece` (0..7) of row `row` in a 64-row x 128-byte chunk laid
-// out with the 128-byte swizzle (what TMA SWIZZLE_128B writes and wgmma's 128B mode reads)
-__device__ __forceinline__ int sw128_off(int row, int piece) {
-  return row * 128 + ((piece ^ (row & 7)) << 4);
-}
-
-// 8 fp8-e4m3 (two u32) -> 8 fp16 (one uint4)
-__device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v16) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v16 & 0xFFFF),
-                                             __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-__device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
-  return make_uint4(e4m3x2_to_h2(lo), e4m3x2_to_h2(lo >> 16), e4m3x2_to_h2(hi),
-                    e4m3x2_to_h2(hi >> 16));
-}
 
 // ----------------------------------------------------------------------------------------------
 // the kernel
@@ -232,32 +73,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b = blockIdx.z;
   const int split = blockIdx.y;
   const int m0 = blockIdx.x * 64;   // first folded row (j*H + h) of this M tile
-  const int n = p.seq_lens[b];
-  const int nblk_all = (n + kPage - 1) / kPage;
-  int active = (nblk_all + p.min_split_blocks - 1) / p.min_split_blocks;
-  active = max(min(p.num_splits, active), 1);
-  const int per = (nblk_all + active - 1) / active;
-  const int blo = split * per;
-  const int nblk = max(min(blo + per, nblk_all) - blo, 0);
-  const bool split_out = p.num_splits > 1;
+  const SplitRange sr = split_range(p, b, split);
+  const int n = sr.n, blo = sr.blo, nblk = sr.nblk;
   const long row_base = static_cast<long>(b) * p.rows_per_req + m0;  // global row of local row 0
-
-  if (nblk == 0) {  // nothing to read: lse = -inf (and out = 0 without split-K)
-    for (int r = tid; r < 64; r += kThreads) {
-      if (m0 + r < p.rows_per_req) {
-        if (split_out) p.part_lse[(row_base + r) * p.num_splits + split] = -INFINITY;
-        else p.lse[row_base + r] = -INFINITY;
-      }
-    }
-    if (!split_out) {
-      __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
-      for (int i = tid; i < 64 * (kDV / 8); i += kThreads) {
-        const int r = i / (kDV / 8);
-        if (m0 + r < p.rows_per_req)
-          *reinterpret_cast<uint4*>(out + (row_base + r) * kDV + (i % (kDV / 8)) * 8) =
-              make_uint4(0, 0, 0, 0);
-      }
-    }
+  if (nblk == 0) {
+    write_unseen(p, row_base, m0, split, tid);
     return;
   }
 
@@ -292,28 +112,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (nblk > 1) next_page = __ldg(bt + 1);
   }
 
-  // ---- Q tile -> shared memory (zero rows past the request's rows) -----------------------------
-  {
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
-    for (int i = tid; i < 64 * (kD / 8); i += kThreads) {
-      const int r = i / (kD / 8);
-      const int pc = i % (kD / 8);  // 16-byte piece of the row: chunk pc/8, piece pc%8
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (m0 + r < p.rows_per_req)
-        v = __ldg(reinterpret_cast<const uint4*>(q + (row_base + r) * kD + pc * 8));
-      if (kFp8) {  // bf16 -> fp16, pre-scaled by 1/16 (folded into scale_log2)
-        uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          __nv_bfloat162 bb = *reinterpret_cast<__nv_bfloat162*>(&w[e]);
-          float2 f = __bfloat1622float2(bb);
-          w[e] = pack2(f.x * 0.0625f, f.y * 0.0625f, true);
-        }
-        v = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-      *reinterpret_cast<uint4*>(smem + kSmemQ + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7)) = v;
-    }
-  }
+  // ---- Q tile -> shared memory (fp8: as fp16 / 16) --------------------------------------------
+  load_q_tile<kChunks, kFp8>(p, sbase + kSmemQ, row_base, m0, tid);
   fence_proxy_async();
   __syncthreads();
 
@@ -485,49 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int k = 0; k < 128; ++k) pin(acc[k]);
 
-  // ---- epilogue: total row sums, normalise, write ---------------------------------------------
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
-    row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
-  }
-  if (quad == 0) {
-    ssum[wg * 64 + r0] = row_sum[0];
-    ssum[wg * 64 + r0 + 8] = row_sum[1];
-  }
-  named_bar(1, kThreads);
-  float inv[2], lse[2];
-  bool seen[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = ssum[r0 + 8 * h] + ssum[64 + r0 + 8 * h];
-    seen[h] = l > 0.f;
-    inv[h] = seen[h] ? p.out_scale / l : 0.f;
-    lse[h] = seen[h] ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 8 * h;
-    if (m0 + r >= p.rows_per_req) continue;
-    const long g = row_base + r;
-    if (split_out) {
-      if (wg == 0 && quad == 0) p.part_lse[g * p.num_splits + split] = lse[h];
-      if (seen[h]) {  // an unseen partial is never read back (its lse is -inf)
-        float* dst = p.part_o + (g * p.num_splits + split) * kDV + wg * 256 + 2 * quad;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<float2*>(dst + 8 * j) =
-              make_float2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h]);
-      }
-    } else {
-      if (wg == 0 && quad == 0) p.lse[g] = lse[h];
-      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.out) + g * kDV + wg * 256 + 2 * quad;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-            pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false);
-    }
-  }
+  store_rows(p, acc, row_sum, row_max, ssum, 1, row_base, m0, split, wg, r0, quad);
 }
 
 // LSE merge of the split partials: one CTA of 128 threads per row, 4 columns per thread.
@@ -629,31 +387,20 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
 
   const int m_tiles = (p.rows_per_req + 63) / 64;
   dim3 grid(m_tiles, a.num_splits, a.batch);
+  // which kernel: the pair schedule or the shared-block one
   cudaError_t e;
-  if (a.kv_fp8) {
-    static bool attr = false;
-    if (!attr) {
-      e = cudaFuncSetAttribute(mla_verify_sm90_kernel<true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc);
-      if (e != cudaSuccess) {
-        snprintf(msg, msg_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-        return 1;
-      }
-      attr = true;
-    }
-    mla_verify_sm90_kernel<true><<<grid, kThreads, kSmemAlloc, stream>>>(map, p);
+  if (a.schedule == 1) {
+    e = launch_pair(map, p, grid, a.kv_fp8, stream);
   } else {
-    static bool attr = false;
-    if (!attr) {
-      e = cudaFuncSetAttribute(mla_verify_sm90_kernel<false>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc);
-      if (e != cudaSuccess) {
-        snprintf(msg, msg_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-        return 1;
-      }
-      attr = true;
-    }
-    mla_verify_sm90_kernel<false><<<grid, kThreads, kSmemAlloc, stream>>>(map, p);
+    using KernelFn = void (*)(const CUtensorMap, const Params);
+    const KernelFn fn = a.kv_fp8 ? mla_verify_sm90_kernel<true> : mla_verify_sm90_kernel<false>;
+    e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc);
+    if (e == cudaSuccess) fn<<<grid, kThreads, kSmemAlloc, stream>>>(map, p);
+  }
+  if (e != cudaSuccess) {
+    snprintf(msg, msg_len, "verify kernel setup: %s", cudaGetErrorString(e));
+    return 1;
   }
   e = cudaGetLastError();
   if (e != cudaSuccess) {

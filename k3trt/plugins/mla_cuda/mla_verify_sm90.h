@@ -13,6 +13,7 @@ struct LaunchArgs {
   int bt_stride;
   const int* seq_lens;    // [B] int32
   int batch, q_per_req, heads, num_splits, min_split_blocks;
+  int schedule;           // 0: shared-block kernel, 1: pair kernel
   float softmax_scale, kv_scale;
   void* out;              // [B*Q, H, 512] bf16
   float* lse;             // [B*Q, H] fp32

@@ -1,0 +1,506 @@
+// SM90 kernel for k3trt::mla_verify, "pair" schedule: the two consumer warpgroups take the
+// 64-token blocks of a split two at a time, block A = 2j for warpgroup 0 and block B = 2j+1 for
+// warpgroup 1. Each computes the whole 64x64 score tile of its block (wgmma m64n64, Q from shared
+// memory), so one warpgroup's softmax runs while the other's MMAs keep the tensor pipe busy, and
+// each owns 256 of the 512 output columns (64x256 fp32 accumulator):
+//
+//   WG0: softmax(S_A) -> m_A, P_A; O_0 *= scale_A;  O_0 += P_A V_A[:, 0:256]     (P from registers)
+//   WG1: (m_A)  softmax(S_B) -> m_B, P_B; O_1 *= scale_A*scale_B;
+//        O_1 += P_B V_B[:, 256:512] (registers);  O_1 += P_A' V_A[:, 256:512] (P_A' from smem)
+//   WG0: (m_B)  P_A' = P_A * scale_B -> smem;  O_0 *= scale_B;  O_0 += P_B V_B[:, 0:256] (smem)
+//   then each issues the next pair's Q·K^T (WG0 on A+2, WG1 on B+2) as its chunks land.
+//
+// The row maxima and rescale factors go through shared memory, ordered by four named barriers
+// (A ready, B ready, P_A written, WG1's P·V issued). Each warpgroup reloads (TMA) the chunks of a
+// stage as soon as its last wgmma reading them has completed: WG0 value chunks 0..3 (+ the rope
+// chunk of A), WG1 value chunks 4..7 (+ the rope chunk of B), and multiplies the chunks it
+// reloaded first.
+//
+// Shared memory (226 KB): Q chunks 0..7 (64 KB; the rope chunk 8 of Q is held in registers as
+// the A fragment of the last four QK^T wgmmas, which frees 8 KB), two 72 KB stages, P_A and P_B
+// (8 KB each), row statistics and 18 mbarriers. fp8 cache: TMA lands the raw bytes in the upper
+// half of each 8 KB chunk slot and the warpgroup that multiplies the block expands it in place to
+// fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16). Same split-K, masking,
+// NaN-safety and output contract as mla_verify_sm90.cu, whose header explains them.
+
+#include "sm90_common.cuh"
+
+namespace k3mla {
+namespace pair {
+
+constexpr int kSmemQ = 0;                            // Q chunks 0..7
+constexpr int kSmemKV = 8 * kChunkBytes;             // 2 stages of 9 chunks
+constexpr int kSmemPA = kSmemKV + 2 * kBlockBytes;   // P_A' (64x64 bf16, swizzled, K-major)
+constexpr int kSmemPB = kSmemPA + kChunkBytes;       // P_B
+constexpr int kSmemM = kSmemPB + kChunkBytes;        // float[64] running row max
+constexpr int kSmemScaleA = kSmemM + 256;            // float[64]
+constexpr int kSmemScaleB = kSmemScaleA + 256;       // float[64]
+constexpr int kSmemSum = kSmemScaleB + 256;          // float[2][64]
+constexpr int kSmemBar = kSmemSum + 512;             // 2 x 9 mbarriers
+constexpr int kSmemUsed = kSmemBar + 2 * kChunks * 8;
+constexpr int kSmemAlloc = kSmemUsed + 1024;
+static_assert(kSmemAlloc <= 232448, "shared memory over the sm_90 limit");
+
+// named barriers (0 is __syncthreads)
+constexpr int kBarAReady = 1, kBarBReady = 2, kBarPAWritten = 3, kBarWG1Issued = 4, kBarSum = 5,
+              kBarExpand = 6;  // + warpgroup: its 128 threads only (fp8 expansion)
+
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kThreads) : "memory");
+}
+
+// the wgmma shapes of this kernel for 16-bit inputs: bf16 (bf16 cache) or fp16 (fp8 cache, expanded)
+template <bool kF16>
+__device__ __forceinline__ void mma_qk(float* s, uint64_t da, uint64_t db, bool first) {
+  if (first) {
+    if (kF16) wgmma_m64n64k16_f16_nn_zero(s, da, db);  // s is not an input
+    else wgmma_m64n64k16_bf16_nn_zero(s, da, db);
+  } else {
+    if (kF16) wgmma_m64n64k16_f16_nn(s, da, db, 1);
+    else wgmma_m64n64k16_bf16_nn(s, da, db, 1);
+  }
+}
+template <bool kF16>
+__device__ __forceinline__ void mma_qk_rs(float* s, const uint32_t* a, uint64_t db) {
+  if (kF16) wgmma_m64n64k16_f16_rs_nn(s, a, db, 1);
+  else wgmma_m64n64k16_bf16_rs_nn(s, a, db, 1);
+}
+template <bool kF16>
+__device__ __forceinline__ void mma_pv_rs(float* acc, const uint32_t* a, uint64_t db) {
+  if (kF16) wgmma_m64n256k16_f16_rs_tn(acc, a, db, 1);
+  else wgmma_m64n256k16_bf16_rs_tn(acc, a, db, 1);
+}
+template <bool kF16>
+__device__ __forceinline__ void mma_pv_ss(float* acc, uint64_t da, uint64_t db) {
+  if (kF16) wgmma_m64n256k16_f16_tn(acc, da, db, 1);
+  else wgmma_m64n256k16_bf16_tn(acc, da, db, 1);
+}
+
+// the idx-th chunk a warpgroup multiplies: the ones it reloaded itself first (kFirst = 0: chunks
+// 0..3, rope, 4..7 for WG0; kFirst = 4: 4..7, rope, 0..3 for WG1), which were issued earliest
+template <int kFirst>
+__device__ __forceinline__ constexpr int chunk_at(int idx) {
+  return idx < 4 ? kFirst + idx : (idx == 4 ? 8 : (kFirst ^ 4) + idx - 5);
+}
+
+// Q·K^T of one block into s (64x64 fp32), chunk by chunk as their mbarriers say they landed, one
+// commit group per chunk; the fence after each wait keeps ptxas from inserting its own (which
+// serialises the wgmmas). fp8: three chunks at a time, this warpgroup first expands the raw bytes
+// (upper half of each 8 KB slot) in place to fp16 in the swizzled layout -- read all, barrier,
+// write all, fence, barrier -- for its own Q·K^T and for the other warpgroup's P·V on the block.
+template <int kFirst, bool kFp8>
+__device__ __forceinline__ void qk_block(float* s, uint32_t sbase, uint32_t kv, uint32_t bars,
+                                         uint32_t parity, const uint32_t* q8, int* err, int blk,
+                                         int t, int wg) {
+  const uint64_t qd = sw128_desc(sbase + kSmemQ, 16, 1024);
+  const uint64_t kd = sw128_desc(kv, 16, 1024);
+#pragma unroll
+  for (int g = 0; g < 3; ++g) {
+    if (kFp8) {
+      uint4 raw[6];
+#pragma unroll
+      for (int u = 0; u < 3; ++u) {
+        const int c = chunk_at<kFirst>(3 * g + u);
+        mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {  // 16-byte piece x of 256: row x/4, fp8 columns 16(x%4)..
+          const int x = t + 128 * k;
+          raw[2 * u + k] = ld_shared_v4(kv + c * kChunkBytes + kChunkBytes / 2 + x * 16);
+        }
+      }
+      named_bar(kBarExpand + wg, 128);
+#pragma unroll
+      for (int u = 0; u < 3; ++u) {
+        const uint32_t chunk = kv + chunk_at<kFirst>(3 * g + u) * kChunkBytes;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int x = t + 128 * k, r = x >> 2, col = x & 3;
+          const uint4 v = raw[2 * u + k];
+          st_shared(chunk + sw128_off(r, 2 * col), e4m3x8_to_h8(v.x, v.y));
+          st_shared(chunk + sw128_off(r, 2 * col + 1), e4m3x8_to_h8(v.z, v.w));
+        }
+      }
+      fence_proxy_async();
+      named_bar(kBarExpand + wg, 128);
+      wgmma_fence();
+    }
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {
+      const int c = chunk_at<kFirst>(3 * g + u);
+      if (!kFp8) {
+        mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
+        wgmma_fence();
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // descriptors count 16-byte units: +2 per 32 bytes
+        const uint64_t db = kd + (c * kChunkBytes + 32 * k) / 16;
+        if (c == 8) mma_qk_rs<kFp8>(s, q8 + 4 * k, db);  // the rope chunk: Q from registers
+        else mma_qk<kFp8>(s, qd + (c * kChunkBytes + 32 * k) / 16, db, g == 0 && u == 0 && k == 0);
+      }
+      if (!kFp8) wgmma_commit();
+    }
+    if (kFp8) wgmma_commit();
+  }
+}
+
+// O_half += P · V[:, 256*half ...]: P from registers (a[16]) or from a shared-memory tile
+template <bool kF16>
+__device__ __forceinline__ void pv_regs(float* acc, const uint32_t* a, uint32_t kv, int half) {
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 128; ++k) pin(acc[k]);
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    mma_pv_rs<kF16>(acc, a + 4 * k,
+                    sw128_desc(kv + half * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024));
+  wgmma_commit();
+}
+template <bool kF16>
+__device__ __forceinline__ void pv_smem(float* acc, uint32_t sp, uint32_t kv, int half) {
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 128; ++k) pin(acc[k]);
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    mma_pv_ss<kF16>(acc, sw128_desc(sp + 32 * k, 16, 1024),
+                    sw128_desc(kv + half * 4 * kChunkBytes + k * 16 * 128, kChunkBytes, 1024));
+  wgmma_commit();
+}
+
+// scale by scale_log2 and mask (token >= visible length -> -inf; also replaces NaN read from
+// slots past the length); mx = this block's row maxima over the quad
+__device__ __forceinline__ void mask_rowmax(float* s, int tok0, const int* vis, float scale,
+                                            int quad, float* mx) {
+  mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pos = tok0 + 8 * j + 2 * quad + e;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = s[4 * j + 2 * h + e] * scale;
+        v = pos < vis[h] ? v : -INFINITY;
+        s[4 * j + 2 * h + e] = v;
+        mx[h] = fmaxf(mx[h], v);
+      }
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+  }
+}
+
+// s <- exp2(s - m) in place; returns this thread's partial row sums
+__device__ __forceinline__ void exp_rows(float* s, const float* m, float* sum) {
+  sum[0] = sum[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float v = fast_exp2(s[4 * j + 2 * h + e] - m[h]);
+        s[4 * j + 2 * h + e] = v;
+        sum[h] += v;
+      }
+}
+
+// the score accumulator's layout is the A fragment of the P·V wgmma (k-slice k = tokens 16k..)
+template <bool kF16>
+__device__ __forceinline__ void pack_a(const float* s, uint32_t* a) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[4 * k + i] = pack2(s[8 * k + 2 * i], s[8 * k + 2 * i + 1], kF16);
+}
+
+// P -> shared 64x64 tile (K-major, 128-byte swizzle), from its A fragment (bf16 pairs) times a
+// per-row factor: fragment register 4k+i holds row r0 + 8(i&1), tokens 16k + 8(i>>1) + 2quad, +1
+template <bool kF16>
+__device__ __forceinline__ void store_p(uint32_t tile, const uint32_t* a, const float* f, int r0,
+                                        int quad) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = i & 1;
+      uint32_t v = a[4 * k + i];
+      if (f != nullptr) {
+        const float2 x = kF16 ? __half22float2(*reinterpret_cast<const __half2*>(&v))
+                              : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+        v = pack2(x.x * f[h], x.y * f[h], kF16);
+      }
+      st_shared(tile + sw128_off(r0 + 8 * h, 2 * k + (i >> 1)) + quad * 4, v);
+    }
+}
+
+__device__ __forceinline__ void scale_acc(float* acc, const float* f) {
+#pragma unroll
+  for (int k = 0; k < 128; ++k) acc[k] *= f[(k >> 1) & 1];
+}
+
+// value rows past the length in the sequence's last block: zero this warpgroup's four value
+// chunks of the stage (the cache may hold NaN there, and 0 * NaN would poison P·V)
+__device__ __forceinline__ void zero_tail(uint32_t stage, int half, int valid, int t) {
+  if (valid >= kPage) return;
+  const uint32_t vbase = stage + half * 4 * kChunkBytes;
+  for (int x = t; x < (kPage - valid) * 32; x += 128) {
+    const int r = valid + (x >> 5);
+    st_shared_zero16(vbase + ((x >> 3) & 3) * kChunkBytes + r * 128 + (x & 7) * 16);
+  }
+  fence_proxy_async();
+}
+
+}  // namespace pair
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_verify_sm90_pair_kernel(const __grid_constant__ CUtensorMap kv_map, const Params p) {
+  using namespace pair;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  const uint32_t sbase = smem_u32(smem);
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;
+  const int t = tid & 127;
+  const int lane = t & 31;
+  const int quad = lane & 3;
+  const int r0 = ((t >> 5) << 4) + (lane >> 2);
+
+  const SplitRange sr = split_range(p, blockIdx.z, blockIdx.y);
+  const int b = blockIdx.z;
+  const int m0 = blockIdx.x * 64;
+  const long row_base = static_cast<long>(b) * p.rows_per_req + m0;
+  if (sr.nblk == 0) {
+    write_unseen(p, row_base, m0, blockIdx.y, tid);
+    return;
+  }
+  const int nblk = sr.nblk, blo = sr.blo, n = sr.n;
+
+  const uint32_t bar0 = sbase + kSmemBar;  // chunk c of stage s: bar0 + 8 * (9 s + c)
+  if (tid == 0) {
+    for (int i = 0; i < 2 * kChunks; ++i) mbar_init(bar0 + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  const int* bt = p.block_table + static_cast<long>(b) * p.bt_stride + blo;
+  auto issue = [&](int blk, int page, int c_lo, int c_hi, bool rope) {
+    const int stage = blk & 1;
+    for (int c = c_lo; c <= (rope ? c_hi + 1 : c_hi); ++c) {
+      const int cc = c > c_hi ? 8 : c;
+      const uint32_t bar = bar0 + 8 * (stage * kChunks + cc);
+      mbar_expect_tx(bar, kFp8 ? kChunkBytes / 2 : kChunkBytes);  // fp8: upper half of the slot
+      tma_load_2d(sbase + kSmemKV + stage * kBlockBytes + cc * kChunkBytes + (kFp8 ? kChunkBytes / 2 : 0),
+                  &kv_map, cc * 64, page * kPage, bar);
+    }
+  };
+  if (tid == 0) {
+    issue(0, __ldg(bt), 0, 7, true);
+    if (nblk > 1) issue(1, __ldg(bt + 1), 0, 7, true);
+  }
+
+  // Q chunks 0..7 -> shared memory; chunk 8 -> registers in the A-fragment layout (fp8: both as
+  // fp16 / 16)
+  load_q_tile<8, kFp8>(p, sbase + kSmemQ, row_base, m0, tid);
+  uint32_t q8[16];
+  {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(p.q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + 8 * (i & 1);
+        const int col = 512 + 16 * k + 8 * (i >> 1) + 2 * quad;
+        uint32_t v = m0 + r < p.rows_per_req ? __ldg(q + ((row_base + r) * kD + col) / 2) : 0u;
+        if (kFp8) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+          v = pack2(f.x * 0.0625f, f.y * 0.0625f, true);
+        }
+        q8[4 * k + i] = v;
+      }
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  int vis[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + r0 + 8 * h;
+    vis[h] = m < p.rows_per_req ? max(n - (p.q_per_req - 1 - m / p.heads), 0) : 0;
+  }
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  float s[32];
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float lsum[2] = {0.f, 0.f};
+  // this thread's rows in the shared row statistics (32-bit shared addresses)
+  const uint32_t sM = sbase + kSmemM + 4 * r0, sScaleA = sbase + kSmemScaleA + 4 * r0,
+                 sScaleB = sbase + kSmemScaleB + 4 * r0;
+  const uint32_t kv0 = sbase + kSmemKV, kv1 = kv0 + kBlockBytes;
+  const int npairs = (nblk + 1) / 2;
+  const int tail_blk = (n - 1) / kPage - blo;  // local index of the sequence's last block
+
+  // (each warpgroup's Q·K^T of its next block opens its loop body: one call site, so that the
+  // compiler does not cache the descriptors of two copies in local memory)
+  if (wg == 0) {
+    uint32_t pa[16];
+#pragma unroll 1
+    for (int j = 0; j < npairs; ++j) {
+      const int ia = 2 * j, ib = ia + 1;
+      const bool has_b = ib < nblk;
+      qk_block<0, kFp8>(s, sbase, kv0, bar0, j & 1, q8, p.err, blo + ia, t, wg);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int k = 0; k < 32; ++k) pin(s[k]);
+      int pg_a = 0, pg_b = 0;  // pages of the next pair (read early, used after the frees)
+      if (t == 0) {
+        if (ia + 2 < nblk) pg_a = __ldg(bt + ia + 2);
+        if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
+      }
+      // softmax of A against the running max
+      float mx[2], mu[2], sa[2], ps[2];
+      mask_rowmax(s, (blo + ia) * kPage, vis, p.scale_log2, quad, mx);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float mnew = fmaxf(m_run[h], mx[h]);
+        mu[h] = mnew == -INFINITY ? 0.f : mnew;
+        sa[h] = fast_exp2(m_run[h] - mu[h]);
+        m_run[h] = mnew;
+      }
+      if (quad == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          st_shared(sM + 32 * h, m_run[h]);
+          st_shared(sScaleA + 32 * h, sa[h]);
+        }
+      }
+      named_arrive(kBarAReady);
+      exp_rows(s, mu, ps);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * sa[h] + ps[h];
+      scale_acc(acc, sa);
+      pack_a<kFp8>(s, pa);
+      if (ia == tail_blk) zero_tail(kv0, 0, n - (blo + ia) * kPage, t);
+      pv_regs<kFp8>(acc, pa, kv0, 0);
+
+      // B's max -> P_A rescaled to it for WG1, and our accumulator too
+      named_bar(kBarBReady, kThreads);
+      float sb[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sb[h] = ld_shared_f32(sScaleB + 32 * h);
+        m_run[h] = ld_shared_f32(sM + 32 * h);
+      }
+      store_p<kFp8>(sbase + kSmemPA, pa, sb, r0, quad);
+      fence_proxy_async();
+      named_arrive(kBarPAWritten);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int k = 0; k < 128; ++k) pin(acc[k]);
+      if (t == 0 && ia + 2 < nblk) issue(ia + 2, pg_a, 0, 3, true);  // chunks 0..3 and rope
+      scale_acc(acc, sb);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) lsum[h] *= sb[h];
+
+      named_bar(kBarWG1Issued, kThreads);
+      if (has_b) {
+        if (ib == tail_blk) zero_tail(kv1, 0, n - (blo + ib) * kPage, t);
+        pv_smem<kFp8>(acc, sbase + kSmemPB, kv1, 0);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int k = 0; k < 128; ++k) pin(acc[k]);
+        if (t == 0 && ib + 2 < nblk) issue(ib + 2, pg_b, 0, 3, false);
+      }
+    }
+  } else {
+    uint32_t pb[16];
+#pragma unroll 1
+    for (int j = 0; j < npairs; ++j) {
+      const int ia = 2 * j, ib = ia + 1;
+      const bool has_b = ib < nblk;
+      if (has_b) {
+        qk_block<4, kFp8>(s, sbase, kv1, bar0 + 8 * kChunks, j & 1, q8, p.err, blo + ib,
+                          t, wg);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int k = 0; k < 32; ++k) pin(s[k]);
+      }
+      int pg_a = 0, pg_b = 0;
+      if (t == 0) {
+        if (ia + 2 < nblk) pg_a = __ldg(bt + ia + 2);
+        if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
+      }
+      float mx[2], mu[2], sb[2], f[2];
+      if (has_b) mask_rowmax(s, (blo + ib) * kPage, vis, p.scale_log2, quad, mx);
+      named_bar(kBarAReady, kThreads);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float ma = ld_shared_f32(sM + 32 * h);
+        const float mnew = has_b ? fmaxf(ma, mx[h]) : ma;
+        mu[h] = mnew == -INFINITY ? 0.f : mnew;
+        sb[h] = has_b ? fast_exp2(ma - mu[h]) : 1.f;
+        f[h] = ld_shared_f32(sScaleA + 32 * h) * sb[h];
+        m_run[h] = mnew;
+      }
+      __syncwarp();  // every lane has read sM before the quad leaders overwrite it
+      if (quad == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          st_shared(sM + 32 * h, m_run[h]);
+          st_shared(sScaleB + 32 * h, sb[h]);
+        }
+      }
+      named_arrive(kBarBReady);
+      scale_acc(acc, f);
+      if (has_b) {
+        float ps[2];
+        exp_rows(s, mu, ps);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * f[h] + ps[h];
+        pack_a<kFp8>(s, pb);
+        store_p<kFp8>(sbase + kSmemPB, pb, nullptr, r0, quad);
+        if (ib == tail_blk) zero_tail(kv1, 1, n - (blo + ib) * kPage, t);
+        fence_proxy_async();
+        pv_regs<kFp8>(acc, pb, kv1, 1);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) lsum[h] *= f[h];
+      }
+      named_bar(kBarPAWritten, kThreads);
+      if (ia == tail_blk) zero_tail(kv0, 1, n - (blo + ia) * kPage, t);
+      pv_smem<kFp8>(acc, sbase + kSmemPA, kv0, 1);
+      named_arrive(kBarWG1Issued);
+      wgmma_wait<1>();  // the local P·V of B (without B only one group is pending)
+      if (t == 0 && has_b && ib + 2 < nblk) issue(ib + 2, pg_b, 4, 7, true);  // 4..7 and rope
+      wgmma_wait<0>();
+#pragma unroll
+      for (int k = 0; k < 128; ++k) pin(acc[k]);
+      if (t == 0 && ia + 2 < nblk) issue(ia + 2, pg_a, 4, 7, false);
+    }
+  }
+
+  // both warpgroups hold O and l relative to the same final row max
+  store_rows(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), kBarSum, row_base,
+             m0, blockIdx.y, wg, r0, quad);
+}
+
+cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
+                        cudaStream_t stream) {
+  const auto fn = fp8 ? mla_verify_sm90_pair_kernel<true> : mla_verify_sm90_pair_kernel<false>;
+  const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             pair::kSmemAlloc);
+  if (e != cudaSuccess) return e;
+  fn<<<grid, kThreads, pair::kSmemAlloc, stream>>>(kv_map, p);
+  return cudaGetLastError();
+}
+
+}  // namespace k3mla

@@ -1,0 +1,338 @@
+// Shared pieces of the SM90 MLA verification kernels (mla_verify_sm90.cu, mla_verify_sm90_pair.cu):
+// the problem's constants, the kernel parameters and inline-PTX helpers (mbarriers, TMA, wgmma
+// fences and descriptors, the 128-byte swizzle).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cstdint>
+#include <cstdio>
+
+#include "wgmma_ops.cuh"
+
+#ifndef MLA_WAIT_TIMEOUT_NS
+#define MLA_WAIT_TIMEOUT_NS 500000000ull  // 0.5 s
+#endif
+
+
+namespace k3mla {
+
+constexpr int kPage = 64;                 // tokens per page = per block
+constexpr int kD = 576;                   // latent width (kv_c | rope)
+constexpr int kDV = 512;                  // value columns
+constexpr int kChunks = kD / 64;          // 9 chunks of 64 columns
+constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
+constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
+constexpr int kThreads = 256;
+
+struct Params {
+  const void* q;          // [B*Q, H, 576] bf16
+  const int* block_table; // [B, bt_stride] int32
+  const int* seq_lens;    // [B] int32
+  void* out;              // [B*Q, H, 512] bf16 (num_splits == 1)
+  float* lse;             // [B*Q*H] fp32     (num_splits == 1)
+  float* part_o;          // [B*Q*H, splits, 512] fp32 (num_splits > 1)
+  float* part_lse;        // [B*Q*H, splits] fp32      (num_splits > 1)
+  int* err;               // [4] int32: timeout code, block, chunk, parity of the first timeout
+  int bt_stride;
+  int q_per_req;
+  int heads;
+  int rows_per_req;       // q_per_req * heads
+  int num_splits;
+  int min_split_blocks;
+  float scale_log2;       // softmax_scale * kv_scale * log2(e) (/ q pre-scale on the fp8 path)
+  float out_scale;        // kv_scale
+};
+
+// ----------------------------------------------------------------------------------------------
+// PTX helpers
+// ----------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+// Bounded wait: on a timeout record (code, a, b, parity) in err once and return (never hang).
+__device__ __forceinline__ void mbar_wait_slow(uint32_t bar, uint32_t parity, int* err, int code,
+                                            int a, int b) {
+  const uint64_t t0 = globaltimer();
+  while (!mbar_try_wait(bar, parity)) {
+    if (*reinterpret_cast<volatile int*>(err) != 0) return;  // another thread timed out: bail
+    if (globaltimer() - t0 > MLA_WAIT_TIMEOUT_NS) {
+      if (atomicCAS(err, 0, code) == 0) {
+        err[1] = a;
+        err[2] = b;
+        err[3] = static_cast<int>(parity);
+      }
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* err, int code, int a,
+                                          int b) {
+  if (!mbar_try_wait(bar, parity)) mbar_wait_slow(bar, parity, err, code, a, b);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void named_bar(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// keeps the compiler from moving accumulator reads/writes across the async wgmma region
+__device__ __forceinline__ void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// shared-memory accesses by 32-bit address (the aligned dynamic-smem pointer is a generic one,
+// which costs 64-bit address registers and generic ST/LD)
+__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle (start, leading and stride byte offsets)
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack2(float a, float b, bool f16) {
+  if (f16) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// byte offset of the 16-byte piece `piece` (0..7) of row `row` in a 64-row x 128-byte chunk laid
+// out with the 128-byte swizzle (what TMA SWIZZLE_128B writes and wgmma's 128B mode reads)
+__device__ __forceinline__ int sw128_off(int row, int piece) {
+  return row * 128 + ((piece ^ (row & 7)) << 4);
+}
+
+// 8 fp8-e4m3 (two u32) -> 8 fp16 (one uint4)
+__device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v16) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v16 & 0xFFFF),
+                                             __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// Q rows m0.. of the tile -> shared memory at dst: chunks 0..kChunksQ-1 of 64 columns, each
+// 64 rows x 128 B with the 128-byte swizzle (the wgmma A layout); rows past the request's are
+// zero. Every load is issued before the first store, so the tile costs one memory latency rather
+// than one per piece. kToF16: bf16 -> fp16 scaled by 1/16 (the fp8 path's Q; the kernel folds the
+// 16 back into its softmax scale).
+template <int kChunksQ, bool kToF16>
+__device__ __forceinline__ void load_q_tile(const Params& p, uint32_t dst, long row_base, int m0,
+                                            int tid) {
+  constexpr int kRowPieces = kChunksQ * 8;               // 16-byte pieces per row
+  constexpr int kPer = 64 * kRowPieces / kThreads;       // per thread
+  static_assert(64 * kRowPieces % kThreads == 0, "Q pieces must split evenly over the threads");
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
+  uint4 v[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int i = tid + kThreads * k;
+    const int r = i / kRowPieces, pc = i % kRowPieces;
+    v[k] = m0 + r < p.rows_per_req
+               ? __ldg(reinterpret_cast<const uint4*>(q + (row_base + r) * kD + pc * 8))
+               : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int i = tid + kThreads * k;
+    const int r = i / kRowPieces, pc = i % kRowPieces;
+    uint4 w = v[k];
+    if (kToF16) {
+      uint32_t* e = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&e[x]));
+        e[x] = pack2(f.x * 0.0625f, f.y * 0.0625f, true);
+      }
+    }
+    st_shared(dst + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7), w);
+  }
+}
+
+// 16 fp8-e4m3 (two u32 pairs) -> 8 fp16 (one uint4)
+__device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
+  return make_uint4(e4m3x2_to_h2(lo), e4m3x2_to_h2(lo >> 16), e4m3x2_to_h2(hi),
+                    e4m3x2_to_h2(hi >> 16));
+}
+
+// The blocks [blo, blo + nblk) of request b that split `split` reads (a request shorter than
+// splits * min_split_blocks pages spreads over fewer splits; the others get nblk = 0).
+struct SplitRange {
+  int n, blo, nblk;
+};
+__device__ __forceinline__ SplitRange split_range(const Params& p, int b, int split) {
+  const int n = p.seq_lens[b];
+  const int nblk_all = (n + kPage - 1) / kPage;
+  int active = (nblk_all + p.min_split_blocks - 1) / p.min_split_blocks;
+  active = max(min(p.num_splits, active), 1);
+  const int per = (nblk_all + active - 1) / active;
+  const int blo = split * per;
+  return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
+}
+
+// A CTA with nothing to read: lse = -inf (and out = 0 without split-K).
+__device__ __forceinline__ void write_unseen(const Params& p, long row_base, int m0, int split,
+                                             int tid) {
+  const bool split_out = p.num_splits > 1;
+  for (int r = tid; r < 64; r += kThreads) {
+    if (m0 + r < p.rows_per_req) {
+      if (split_out) p.part_lse[(row_base + r) * p.num_splits + split] = -INFINITY;
+      else p.lse[row_base + r] = -INFINITY;
+    }
+  }
+  if (!split_out) {
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
+    for (int i = tid; i < 64 * (kDV / 8); i += kThreads) {
+      const int r = i / (kDV / 8);
+      if (m0 + r < p.rows_per_req)
+        *reinterpret_cast<uint4*>(out + (row_base + r) * kDV + (i % (kDV / 8)) * 8) =
+            make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Epilogue shared by the kernels: warpgroup wg holds columns 256wg.. of its rows r0, r0+8 in acc
+// (the wgmma m64n256 accumulator layout) and per-thread partial row sums, all relative to the
+// row max `row_max`; total the sums over the quad and both warpgroups (through `ssum`, 128
+// floats, and named barrier bar_id), normalise, and write bf16 O + LSE, or with split-K the fp32
+// partial + its LSE.
+__device__ __forceinline__ void store_rows(const Params& p, const float* acc, float* row_sum,
+                                           const float* row_max, float* ssum, int bar_id,
+                                           long row_base, int m0, int split, int wg, int r0,
+                                           int quad) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
+  }
+  if (quad == 0) {
+    ssum[wg * 64 + r0] = row_sum[0];
+    ssum[wg * 64 + r0 + 8] = row_sum[1];
+  }
+  named_bar(bar_id, kThreads);
+  float inv[2], lse[2];
+  bool seen[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = ssum[r0 + 8 * h] + ssum[64 + r0 + 8 * h];
+    seen[h] = l > 0.f;
+    inv[h] = seen[h] ? p.out_scale / l : 0.f;
+    lse[h] = seen[h] ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+  }
+  const bool split_out = p.num_splits > 1;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (m0 + r >= p.rows_per_req) continue;
+    const long g = row_base + r;
+    if (split_out) {
+      if (wg == 0 && quad == 0) p.part_lse[g * p.num_splits + split] = lse[h];
+      if (seen[h]) {  // an unseen partial is never read back (its lse is -inf)
+        float* dst = p.part_o + (g * p.num_splits + split) * kDV + wg * 256 + 2 * quad;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j) =
+              make_float2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h]);
+      }
+    } else {
+      if (wg == 0 && quad == 0) p.lse[g] = lse[h];
+      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.out) + g * kDV + wg * 256 + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false);
+    }
+  }
+}
+
+// launches the pair-schedule kernel (mla_verify_sm90_pair.cu); a CUDA error code
+cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
+                        cudaStream_t stream);
+
+}  // namespace k3mla
