@@ -167,8 +167,9 @@ def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
 # Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda. "auto" takes the
 # SM90 CUDA kernel (mla_cuda/) where the H200 measured it faster (benchmarks/results/mla_cuda_h200.json):
 # grids of more than SMALL_GRID 64-row tiles. There, with 4 rows per request at 8K-32K context,
-# it runs at 0.69-0.78 of the roofline for 12 heads (Triton 0.44-0.48) and 0.46-0.50 for 48/96
-# heads (Triton 0.32-0.34); on smaller grids Triton's split-d_v config wins (batch 1).
+# its pair schedule runs at 0.78-0.96 of the roofline for 12 heads (Triton 0.44-0.48) and
+# 0.63-0.74 for 48/96 heads (Triton 0.32-0.34); on smaller grids Triton's split-d_v config wins
+# at short contexts (batch 1; the notes in benchmarks/results/ say where it does not).
 KERNEL_ENV = "K3TRT_MLA_KERNEL"
 
 
