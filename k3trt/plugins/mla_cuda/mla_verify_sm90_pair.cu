@@ -17,7 +17,7 @@
 // reloaded first.
 //
 // Shared memory (226 KB): Q chunks 0..7 (64 KB; the rope chunk 8 of Q is held in registers as
-// the A fragment of the last four QK^T wgmmas, which frees 8 KB), two 72 KB stages, P_A and P_B
+// the A fragment of its four QK^T wgmmas, which frees 8 KB), two 72 KB stages, P_A and P_B
 // (8 KB each), row statistics and 18 mbarriers. fp8 cache: TMA lands the raw bytes in the upper
 // half of each 8 KB chunk slot and the warpgroup that multiplies the block expands it in place to
 // fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16). Same split-K, masking,
