@@ -42,11 +42,6 @@ F16_TOL = dict(dtype=F16, atol=4e-3, rtol=4e-3)                    # ~1 fp16 ulp
 ONE_BF16_ULP = dict(dtype=BF16, atol=1e-6, rtol=2 ** -7, rel_norm=4e-3)  # vs the truncating oracle
 
 
-def gpu(fn):
-    """Marks a test for the H200 (``-m gpu``); skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 # ----------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class ResCase:
@@ -326,7 +321,7 @@ GPU_TOL = {F32: TIGHT, BF16: BF16_TOL, F16: F16_TOL}
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_op_matches_reference(case):
     """Through the op (so through the registered CUDA kernel), rounding included."""
     a = make_inputs(case, 0, "cuda").args
@@ -335,13 +330,13 @@ def test_gpu_op_matches_reference(case):
 
 
 @pytest.mark.parametrize("nb", [15, 29, 63])
-@gpu
+@pytest.mark.gpu
 def test_gpu_many_sources(nb):
     """The full model's ~30 sources (a 32-row tile) and the 64-source limit."""
     run_and_check(ResCase(4, K3_H, nb, -1, dtype=BF16), nb, "cuda", torch.ops.k3trt.attn_res, BF16_TOL)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_op_equals_direct_launch():
     """The op takes the kernel: bit for bit a direct launch."""
     from k3trt.plugins import attn_res_triton
@@ -354,7 +349,7 @@ def test_gpu_op_equals_direct_launch():
     assert torch.equal(bits(a.backing), bits(b.backing))
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_fallback(caplog):
     """fp64 is not the kernel's: the op warns and runs its torch body, still correct."""
     case = ResCase(3, 256, 2, 2, dtype=torch.float64)
@@ -365,7 +360,7 @@ def test_gpu_fallback(caplog):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-@gpu
+@pytest.mark.gpu
 def test_gpu_graph_capture_and_replay(dtype):
     """Capture the op (under inference_mode, as runtime/graphs.py does), copy a second step's inputs
     into the static buffers, replay: equal to running that step eagerly, bit for bit."""

@@ -30,11 +30,6 @@ BF16 = torch.bfloat16
 F32 = torch.float32
 
 
-def gpu(fn):
-    """Marks a test for the H200 (``-m gpu``); skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 @dataclass(frozen=True)
 class WriteCase:
     T: int                       # tokens
@@ -161,14 +156,14 @@ GPU_CASES = [WriteCase(T, 512, 64, cd, ind, scale, blocks=40, block_size=64)
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_op_matches_torch_body(case):
     """Through the op (so through the registered CUDA kernel); rounding included."""
     run_and_check(case, case.T, "cuda", torch.ops.k3trt.mla_cache_write, ulps=1 if case.cache_dtype == FP8 else 0)
 
 
 @pytest.mark.parametrize("cache_dtype", [BF16, FP8])
-@gpu
+@pytest.mark.gpu
 def test_gpu_graph_capture_and_replay(cache_dtype):
     """Capture the op with static inputs, copy a second step's tokens and slots in, replay."""
     case = WriteCase(48, 512, 64, cache_dtype, BF16, 0.25 if cache_dtype == FP8 else 1.0, blocks=40, block_size=64)

@@ -47,11 +47,6 @@ GPU_STATE_TOL = dict(dtype=F32, atol=1e-4, rtol=1e-4, rel_norm=2e-5)
 GPU_O32_TOL = dict(dtype=F32, atol=1e-5, rtol=1e-4, rel_norm=2e-5)
 
 
-def gpu(fn):
-    """Marks a test for the H200 (``-m gpu``); skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
@@ -250,14 +245,14 @@ GPU_CASES += [ChunkCase(100, B=2, H=96, dk=128, dv=128, decay="k3", dtype=BF16, 
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_kernel_matches_torch_body(case):
     o_tol = GPU_O32_TOL if case.dtype == F32 else O16_TOL[case.dtype]
     check_case(case, seed=case.T, device="cuda", chunk_size=32, with_oracle=False, o_tol=o_tol,
                state_tol=GPU_STATE_TOL)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_fallback_for_small_heads(caplog):
     """dk = dv = 8 is not the kernel's: kda_chunked_cuda is the torch body, with a warning."""
     from k3trt.plugins import kda_chunk_triton as kt
@@ -270,7 +265,7 @@ def test_gpu_fallback_for_small_heads(caplog):
     assert any("dk=8" in r.getMessage() for r in caplog.records)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_op_dispatches_to_the_kernel():
     """Once kda.py registers kda_chunked_cuda, the op on CUDA tensors is the kernel, bit for bit."""
     if not torch._C._dispatch_has_kernel_for_dispatch_key("k3trt::kda_chunked", "CUDA"):
@@ -282,7 +277,7 @@ def test_gpu_op_dispatches_to_the_kernel():
     assert torch.equal(o, ko) and torch.equal(final, kfinal)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_graph_capture_and_replay():
     """Capture the launcher (under inference_mode, as runtime/graphs.py does), copy a second call's
     inputs into the static buffers, replay: equal to running that call eagerly, bit for bit."""

@@ -38,11 +38,6 @@ KERNEL_TOL = dict(dtype=F32, atol=1e-5, rtol=1e-5, rel_norm=1e-6)
 GPU_TOL = dict(KERNEL_TOL, rel_norm=1e-5)
 
 
-def gpu(fn):
-    """Marks a test for the H200 (``-m gpu``); skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
@@ -390,7 +385,7 @@ GPU_PREP_CASES = [PrepCase(T, **K3, lower_bound=lb, dtype=dt)
 
 
 @pytest.mark.parametrize("case", GPU_CONV_CASES, ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_conv_op_matches_torch_body(case):
     """Through the op (so the registered kernel, with no fallback at K3 sizes)."""
     a = make_conv_inputs(case, 0, "cuda").args
@@ -400,14 +395,14 @@ def test_gpu_conv_op_matches_torch_body(case):
 
 
 @pytest.mark.parametrize("case", GPU_PREP_CASES, ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_prep_op_matches_torch_body(case):
     args = make_prep_inputs(case, case.T, "cuda")
     assert front.prep_kernel_unsupported(*args[:5], case.D) is None
     check_prep(torch.ops.k3trt.kda_prep(*args), front.kda_prep_reference(*args), case, GPU_TOL)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_conv_fallback_for_another_kernel_size(caplog):
     """K = 3 is not the kernel's: the op falls back to its torch body (one warning), still correct."""
     inp = make_conv_inputs(ConvCase(4, 3), 0, "cuda")
@@ -424,7 +419,7 @@ def test_gpu_conv_fallback_for_another_kernel_size(caplog):
 
 
 @pytest.mark.parametrize("save", [True, False])
-@gpu
+@pytest.mark.gpu
 def test_gpu_graph_capture_and_replay(save):
     """Capture conv then prep (under inference_mode, as runtime/graphs.py does), copy a second
     step's inputs into the static buffers, replay: equal to that step run eagerly, bit for bit."""

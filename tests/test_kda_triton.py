@@ -33,11 +33,6 @@ F32 = torch.float32
 KERNEL_TOL = dict(dtype=F32, atol=1e-4, rtol=1e-4, rel_norm=1e-5)
 
 
-def gpu(fn):
-    """Marks a test for the H200 (``-m gpu``); skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 # ----------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class SlotsCase:
@@ -271,7 +266,7 @@ GPU_CASES += [(SlotsCase(B, 4, H=96, dk=128, dv=128, dtype=torch.bfloat16), bv)
 
 
 @pytest.mark.parametrize("case,bv", GPU_CASES, ids=lambda x: str(x) if x is not None else "auto")
-@gpu
+@pytest.mark.gpu
 def test_gpu_kernel_matches_torch_body(case, bv):
     from k3trt.plugins import kda_triton
     run_and_check(case, case.B + case.n, "cuda",
@@ -279,7 +274,7 @@ def test_gpu_kernel_matches_torch_body(case, bv):
                   ops._kda_recurrent_slots_torch, KERNEL_TOL)
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_op_dispatches_to_the_kernel():
     """At K3 sizes the op takes the kernel (no fallback) and equals a direct launch bit for bit."""
     from k3trt.plugins import kda_triton
@@ -296,7 +291,7 @@ def test_gpu_op_dispatches_to_the_kernel():
     assert bits(args[5][real], direct[5][real]) and bits(args[8][real], direct[8][real])
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_fallback_for_small_heads():
     """dk = dv = 8 is not the kernel's: the op falls back to its torch body, still correct."""
     case = SlotsCase(4, 3, dk=8, dv=8)
@@ -315,7 +310,7 @@ def _oracle_on_cpu(*args):
 
 
 @pytest.mark.parametrize("save", [True, False])
-@gpu
+@pytest.mark.gpu
 def test_gpu_graph_capture_and_replay(save):
     """Capture the op (under inference_mode, as runtime/graphs.py does), copy a second step's
     inputs into the static buffers, replay: equal to running that step eagerly, bit for bit."""

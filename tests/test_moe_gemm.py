@@ -20,10 +20,6 @@ from k3trt.testing import assert_close
 from triton_interp import needs_triton, run_interpreted
 
 
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 def make(P: int, E: int, N: int, K: int, dtype, seed: int, foreign: int = 0, device="cpu"):
     """x [P, K], w [E, N, K], offs: P - foreign rows spread over random experts (some empty),
     then `foreign` rows that belong to no expert here."""
@@ -145,7 +141,7 @@ def test_kernel_under_interpreter():
 
 
 # ----------------------------------------------------------------------------- GPU
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("P,N,K", [(16, 6144, 3584), (16, 3584, 3072), (256, 6144, 3584), (512, 3584, 3072)])
 def test_kernel_matches_grouped_mm_on_gpu(P, N, K):
     from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd

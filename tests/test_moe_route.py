@@ -21,10 +21,6 @@ ROUTE_CASES = [  # (T, E, k, sigmoid, renormalize, bias)
     (4, 896, 16, True, True, True)]
 
 
-def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 def route_inputs(T, E, bias, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
@@ -111,7 +107,7 @@ def test_kernels_under_interpreter():
     assert "ok" in run_interpreted("test_moe_route")
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,E", [(1, 32), (128, 32), (512, 896)])
 def test_kernels_on_gpu(T, E):
     logits, b = route_inputs(T, E, True, T, "cuda")

@@ -40,11 +40,6 @@ def tol(dtype: torch.dtype) -> dict:
     return {"dtype": dtype, "atol": 1e-2, "rtol": 1.6e-2, "rel_norm": TOLERANCES[dtype]["rel_norm"]}
 
 
-def gpu(fn):
-    """Marks a test for the H200 (``-m gpu``); skipped without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
-
-
 def name(d: torch.dtype) -> str:
     return str(d).split(".")[-1]
 
@@ -315,7 +310,7 @@ UNSUPPORTED = {NormCase: lambda x, w, eps: na.rms_norm_unsupported(x, w),
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_op_matches_reference(case):
     """Through torch.ops.k3trt.* (so through the registered CUDA kernel, not its fallback)."""
     args = case.inputs(seed=GPU_CASES.index(case), device="cuda")
@@ -323,7 +318,7 @@ def test_gpu_op_matches_reference(case):
     check(case, args, getattr(torch.ops.k3trt, OPS[type(case)])(*args))
 
 
-@gpu
+@pytest.mark.gpu
 def test_gpu_fallback_for_fp64():
     args = NormCase((3,), 64, torch.float64).inputs(0, "cuda")
     assert torch.equal(torch.ops.k3trt.rms_norm(*args), na.rms_norm_reference(*args))
@@ -331,7 +326,7 @@ def test_gpu_fallback_for_fp64():
 
 @pytest.mark.parametrize("case", [NormCase((64,), 7168, BF16, "column_slice"), ActCase((64,), 3072, "situ", BF16),
                                   GateCase(64, 96, 128, BF16)], ids=str)
-@gpu
+@pytest.mark.gpu
 def test_gpu_graph_capture_and_replay(case):
     """Capture the op on static inputs, copy a second step's values into them, replay."""
     op = getattr(torch.ops.k3trt, OPS[type(case)])
