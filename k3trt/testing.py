@@ -1,4 +1,5 @@
-"""A strict comparator for tests and kernel checks (used by tests and benchmarks alike)."""
+"""A strict comparator for tests and kernel checks (used by tests and benchmarks alike), and bitwise
+equality for the checks that must hold bit for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ TOLERANCES = {
     torch.float16: dict(atol=2e-3, rtol=2e-3, rel_norm=2e-3),
     torch.float8_e4m3fn: dict(atol=6e-2, rtol=6e-2, rel_norm=1e-2),
 }
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bits as integers of its element size (NaN payloads and -0.0 compare as they are)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype and the same bits in every element."""
+    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def rel_norm_error(out: torch.Tensor, ref: torch.Tensor) -> float:

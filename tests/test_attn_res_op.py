@@ -31,7 +31,7 @@ import torch
 
 from k3trt.plugins import attn_res as ops
 from k3trt.plugins.attn_res import attn_res_reference
-from k3trt.testing import assert_close
+from k3trt.testing import assert_close, bits
 from triton_interp import run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -96,10 +96,6 @@ def make_inputs(case: ResCase, seed: int = 0, device: str | torch.device = "cpu"
 
 def with_blocks(args: tuple, blocks: torch.Tensor) -> tuple:
     return args[:2] + (blocks,) + args[3:]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
 
 
 def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

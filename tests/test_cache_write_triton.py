@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from k3trt.plugins.cache_write import mla_cache_write_reference
+from k3trt.testing import bits
 from triton_interp import run_interpreted
 
 FP8 = torch.float8_e4m3fn
@@ -84,15 +85,10 @@ def reference(kv_c, k_pe, cache, slots, kv_scale):
     mla_cache_write_reference(kv_c[keep], k_pe[keep], cache, slots[keep], kv_scale)
 
 
-def codes(cache: torch.Tensor) -> torch.Tensor:
-    return cache.view(torch.uint8) if cache.element_size() == 1 else cache.view(torch.int16) \
-        if cache.element_size() == 2 else cache.view(torch.int32)
-
-
 def check(got: torch.Tensor, want: torch.Tensor, ulps: int = 0) -> None:
     """Bitwise equal; with `ulps` > 0 (fp8 on the GPU), equal codes but for at most `ulps` steps of
     the same sign, on at most 0.1% of the elements (a rounding-mode difference, not a bug)."""
-    a, b = codes(got).int(), codes(want).int()
+    a, b = bits(got).int(), bits(want).int()
     if ulps == 0 or torch.equal(a, b):
         bad = (a != b).nonzero()
         assert not len(bad), f"{len(bad)} elements differ, first at {bad[0].tolist()}: " \

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from k3trt.plugins import kda_front as front
-from k3trt.testing import assert_close
+from k3trt.testing import assert_close, same_bits
 from triton_interp import run_interpreted
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -36,14 +36,6 @@ K = 4
 KERNEL_TOL = dict(dtype=F32, atol=1e-5, rtol=1e-5, rel_norm=1e-6)
 # on the GPU tl.exp / tl.rsqrt are the hardware approximations (a few ulp)
 GPU_TOL = dict(KERNEL_TOL, rel_norm=1e-5)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # ----------------------------------------------------------------------------- conv cases

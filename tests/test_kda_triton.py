@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from k3trt.plugins import kda as ops
-from k3trt.testing import assert_close
+from k3trt.testing import assert_close, bits, same_bits
 from triton_interp import run_interpreted
 
 F32 = torch.float32
@@ -104,10 +104,6 @@ def clone_caches(args: tuple) -> tuple:
     a = list(args)
     a[5], a[8] = a[5].clone(), a[8].clone()
     return tuple(a)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
 
 
 def check_against(o, args, ref_o, ref_args, before, inp: SlotsInputs, case: SlotsCase, tol: dict) -> None:
@@ -286,9 +282,9 @@ def test_gpu_op_dispatches_to_the_kernel():
     o = torch.ops.k3trt.kda_recurrent_slots(*args)
     od = kda_triton.kda_recurrent_slots_fwd(*direct)
     real = inp.real_slots.cuda()            # (the trash slot's winner among its rows may differ)
-    bits = lambda x, y: torch.equal(x.view(torch.int32), y.view(torch.int32))   # noqa: E731  (NaN-poisoned rows too)
-    assert bits(o[:case.real], od[:case.real])
-    assert bits(args[5][real], direct[5][real]) and bits(args[8][real], direct[8][real])
+    # bit for bit (NaN-poisoned rows too)
+    assert same_bits(o[:case.real], od[:case.real])
+    assert same_bits(args[5][real], direct[5][real]) and same_bits(args[8][real], direct[8][real])
 
 
 @pytest.mark.gpu
