@@ -59,8 +59,7 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_verify_sm90_kernel(const __grid_constant__ CUtensorMap kv_map, const Params p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t sbase = smem_u32(smem);
 
   const int tid = threadIdx.x;
@@ -117,13 +116,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   fence_proxy_async();
   __syncthreads();
 
-  // visible length of this thread's two rows (row m = j*H + h sees n - (Q-1-j) tokens)
   int vis[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = m0 + r0 + 8 * h;
-    vis[h] = m < p.rows_per_req ? max(n - (p.q_per_req - 1 - m / p.heads), 0) : 0;
-  }
+  visible_lengths(p, n, m0, r0, vis);
 
   float acc[128];
 #pragma unroll

@@ -260,8 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mla_verify_sm90_pair_kernel(const __grid_constant__ CUtensorMap kv_map, const Params p) {
   using namespace pair;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t sbase = smem_u32(smem);
 
   const int tid = threadIdx.x;
@@ -317,23 +316,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 4; ++i) {
         const int r = r0 + 8 * (i & 1);
         const int col = 512 + 16 * k + 8 * (i >> 1) + 2 * quad;
-        uint32_t v = m0 + r < p.rows_per_req ? __ldg(q + ((row_base + r) * kD + col) / 2) : 0u;
-        if (kFp8) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-          v = pack2(f.x * 0.0625f, f.y * 0.0625f, true);
-        }
-        q8[4 * k + i] = v;
+        const uint32_t v = m0 + r < p.rows_per_req ? __ldg(q + ((row_base + r) * kD + col) / 2) : 0u;
+        q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
       }
   }
   fence_proxy_async();
   __syncthreads();
 
   int vis[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = m0 + r0 + 8 * h;
-    vis[h] = m < p.rows_per_req ? max(n - (p.q_per_req - 1 - m / p.heads), 0) : 0;
-  }
+  visible_lengths(p, n, m0, r0, vis);
 
   float acc[128];
 #pragma unroll

@@ -197,6 +197,30 @@ __device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v16) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// The dynamic shared memory, its base rounded up to 1024 bytes (the 128-byte swizzle's atom): the
+// kernels allocate 1 KB of slack for this.
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                    ~static_cast<uintptr_t>(1023));
+}
+
+// Two bf16 (one u32) -> two fp16 scaled by 1/16: the fp8 path's Q, which the kernels keep in fp16
+// and whose factor 16 they fold back into the softmax scale.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2_div16(uint32_t v) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  return pack2(f.x * 0.0625f, f.y * 0.0625f, true);
+}
+
+// Visible length of this thread's two accumulator rows r0, r0 + 8 of the M tile at m0: folded row
+// m = j*H + h sees n - (Q-1-j) tokens; rows past the request's see none.
+__device__ __forceinline__ void visible_lengths(const Params& p, int n, int m0, int r0, int* vis) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + r0 + 8 * h;
+    vis[h] = m < p.rows_per_req ? max(n - (p.q_per_req - 1 - m / p.heads), 0) : 0;
+  }
+}
+
 // Q rows m0.. of the tile -> shared memory at dst: chunks 0..kChunksQ-1 of 64 columns, each
 // 64 rows x 128 B with the 128-byte swizzle (the wgmma A layout); rows past the request's are
 // zero. Every load is issued before the first store, so the tile costs one memory latency rather
@@ -223,14 +247,9 @@ __device__ __forceinline__ void load_q_tile(const Params& p, uint32_t dst, long 
     const int i = tid + kThreads * k;
     const int r = i / kRowPieces, pc = i % kRowPieces;
     uint4 w = v[k];
-    if (kToF16) {
-      uint32_t* e = reinterpret_cast<uint32_t*>(&w);
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&e[x]));
-        e[x] = pack2(f.x * 0.0625f, f.y * 0.0625f, true);
-      }
-    }
+    if (kToF16)
+      w = make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
+                     bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w));
     st_shared(dst + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7), w);
   }
 }
