@@ -386,10 +386,10 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   if (a.schedule == 1) {
     e = launch_pair(map, p, grid, a.kv_fp8, stream);
   } else {
-    using KernelFn = void (*)(const CUtensorMap, const Params);
-    const KernelFn fn = a.kv_fp8 ? mla_verify_sm90_kernel<true> : mla_verify_sm90_kernel<false>;
-    e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc);
+    static const cudaError_t allowed[2] = {allow_smem(mla_verify_sm90_kernel<false>, kSmemAlloc),
+                                           allow_smem(mla_verify_sm90_kernel<true>, kSmemAlloc)};
+    e = allowed[a.kv_fp8];
+    const auto fn = a.kv_fp8 ? mla_verify_sm90_kernel<true> : mla_verify_sm90_kernel<false>;
     if (e == cudaSuccess) fn<<<grid, kThreads, kSmemAlloc, stream>>>(map, p);
   }
   if (e != cudaSuccess) {

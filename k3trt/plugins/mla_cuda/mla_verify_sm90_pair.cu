@@ -485,11 +485,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
                         cudaStream_t stream) {
+  static const cudaError_t allowed[2] = {
+      allow_smem(mla_verify_sm90_pair_kernel<false>, pair::kSmemAlloc),
+      allow_smem(mla_verify_sm90_pair_kernel<true>, pair::kSmemAlloc)};
+  if (allowed[fp8] != cudaSuccess) return allowed[fp8];
   const auto fn = fp8 ? mla_verify_sm90_pair_kernel<true> : mla_verify_sm90_pair_kernel<false>;
-  const cudaError_t e = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             pair::kSmemAlloc);
-  if (e != cudaSuccess) return e;
   fn<<<grid, kThreads, pair::kSmemAlloc, stream>>>(kv_map, p);
   return cudaGetLastError();
 }

@@ -350,6 +350,14 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
   }
 }
 
+// Raises a kernel's dynamic shared-memory limit. Callers keep the result in a function-local static,
+// so the driver call runs once per kernel, not on every launch.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 // launches the pair-schedule kernel (mla_verify_sm90_pair.cu); a CUDA error code
 cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
                         cudaStream_t stream);
