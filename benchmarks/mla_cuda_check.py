@@ -11,10 +11,11 @@ after every stage, so partial results survive):
   2. Smoke test in a child process (so a crash or hang of the new kernel cannot take the CUDA
      context of this process down): small shapes vs mla_verify_ref.
   3. Ceilings (copy GB/s, bf16 GEMM TFLOP/s) via benchmarks/ceilings.py.
-  4. Timing of the Triton op (torch.ops.k3trt.mla_verify) first, then the CUDA kernel, with
-     CUDA-graph replays of 10 calls (benchmarks/mla_verify.py's graph_time_us), at H=12,
-     batch 32/128, context 8K/32K, bf16 and fp8; each timed case also checked against the fp32
-     reference on its first requests.
+  4. Timing of the Triton op (torch.ops.k3trt.mla_verify) and the CUDA kernel's variants
+     (schedules x --min-split-blocks), with CUDA-graph replays of 10 calls, all variants of
+     a case interleaved round by round (interleaved_graph_us), at H=12, batch 32/128, context
+     8K/32K by default, bf16 and fp8; each variant also checked against the fp32 reference on the
+     case's first requests.
   5. Full correctness list (lengths not multiple of 64, zero length, batch 1/32, H=12/48, bf16/fp8,
      NaN-poisoned outputs and scratch, NaN in unused cache slots).
 Prints a table: µs, GB/s, fraction of roofline for both kernels.
@@ -204,8 +205,52 @@ def smoke_child():
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def time_cases(kernel, cases, ceil, schedule="pair"):
-    from mla_verify import FLASHMLA_US, graph_time_us, make_cache
+def kernel_label(kernel, schedule, min_split_blocks):
+    """cuda-<schedule>, with -m<N> where min_split_blocks differs from the default."""
+    if kernel != "cuda":
+        return kernel
+    from k3trt.plugins import mla_cuda
+    label = f"cuda-{schedule}"
+    if min_split_blocks is not None and min_split_blocks != mla_cuda.MIN_SPLIT_BLOCKS:
+        label += f"-m{min_split_blocks}"
+    return label
+
+
+def interleaved_graph_us(calls: dict, per_graph: int = 10, rounds: int = 9) -> dict:
+    """Median µs per call of each fn in `calls`, each captured in a CUDA graph of `per_graph` calls
+    and replayed in rounds (A B C, A B C, ...), so that a lent GPU's clock drifting during the run
+    moves every variant alike (timing the variants one after another moved them by up to 15%)."""
+    import statistics
+    graphs = {}
+    for label, fn in calls.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(per_graph):
+                fn()
+        g.replay()
+        graphs[label] = g
+    torch.cuda.synchronize()
+    times = {label: [] for label in graphs}
+    for _ in range(rounds):
+        for label, g in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[label].append(start.elapsed_time(end) * 1000 / per_graph)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def time_cases(variants, cases, ceil):
+    """variants: (kernel, schedule, min_split_blocks) tuples, kernel "cuda" or "triton"; all
+    variants of a case are checked against the reference, then timed interleaved."""
+    from mla_verify import FLASHMLA_US, make_cache
 
     from k3trt.plugins.mla_verify import mla_verify_ref
     rows = []
@@ -219,60 +264,76 @@ def time_cases(kernel, cases, ceil, schedule="pair"):
             kv_fp8 = kv == "fp8"
             scale, kv_scale = 192 ** -0.5, (0.25 if kv_fp8 else 1.0)
             q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
-            label = f"cuda-{schedule}" if kernel == "cuda" else kernel
-            row = dict(kernel=label, heads=heads, batch=batch, ctx=ctx, kv=kv)
+            nchk = 2
+            ref_out, ref_lse = mla_verify_ref(q[:nchk * Q_ROWS], inp.cache, inp.table[:nchk],
+                                              inp.seq_lens[:nchk], Q_ROWS, scale, kv_scale, D_V)
+            case_rows, calls = {}, {}
+            for kernel, schedule, msb in variants:
+                label = kernel_label(kernel, schedule, msb)
+                row = dict(kernel=label, heads=heads, batch=batch, ctx=ctx, kv=kv)
+                try:
+                    call = cuda_call(row, q, inp, scale, kv_scale, schedule, msb) \
+                        if kernel == "cuda" else triton_call(q, inp, scale, kv_scale)
+                    out, lse = call()
+                    torch.cuda.synchronize()
+                    if kernel == "cuda" and kernel_err():
+                        row["kernel_timeout"] = True
+                    c = compare(out[:nchk * Q_ROWS], lse[:nchk * Q_ROWS], ref_out, ref_lse,
+                                f"{label} {kv} B{batch} L{ctx}")
+                    row["rel_err"], row["check_ok"] = c["rel_err"], c["ok"]
+                    row["nan"] = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+                    calls[label] = call
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["exception"] = repr(e)[:2000]
+                case_rows[label] = row
             try:
-                if kernel == "cuda":
-                    from k3trt.plugins import mla_cuda
-                    splits = mla_cuda.default_splits(batch, Q_ROWS, heads)
-                    row["splits"] = splits
-
-                    def call():
-                        return mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens,
-                                                        Q_ROWS, scale, kv_scale, D_V, splits,
-                                                        schedule=schedule)
-                else:
-                    import k3trt.plugins.mla_verify  # noqa: F401
-                    os.environ["K3TRT_MLA_KERNEL"] = "triton"    # the op would pick the CUDA kernel
-
-                    def call():
-                        return torch.ops.k3trt.mla_verify(q, inp.cache, inp.table, inp.seq_lens,
-                                                          Q_ROWS, scale, kv_scale, D_V)
-                out, lse = call()
-                torch.cuda.synchronize()
-                if kernel == "cuda" and kernel_err():
-                    row["kernel_timeout"] = True
-                nchk = 2
-                ref_out, ref_lse = mla_verify_ref(q[:nchk * Q_ROWS], inp.cache, inp.table[:nchk],
-                                                  inp.seq_lens[:nchk], Q_ROWS, scale, kv_scale, D_V)
-                c = compare(out[:nchk * Q_ROWS], lse[:nchk * Q_ROWS], ref_out, ref_lse,
-                            f"{label} {kv} B{batch} L{ctx}")
-                row["rel_err"], row["check_ok"] = c["rel_err"], c["ok"]
-                row["nan"] = bool(torch.isnan(out).any() or torch.isnan(lse).any())
-                us = graph_time_us(call)
-                if kernel == "cuda" and kernel_err():
-                    row["kernel_timeout"] = True
-                nbytes = batch * ctx * D_QK * inp.cache.element_size()
-                flops = 2 * Q_ROWS * heads * batch * ctx * (D_QK + D_V)
-                t_mem = nbytes / ceil["copy_gbps"] / 1e3
-                t_mma = flops / ceil["gemm_tflops"] / 1e6
-                roof = max(t_mem, t_mma)
-                row.update(us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
-                           roofline_us=round(roof, 2), fraction=round(roof / us, 3),
-                           bound="memory" if t_mem >= t_mma else "compute")
+                us_by = interleaved_graph_us(calls)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                us_by = {}
+                for row in case_rows.values():
+                    row.setdefault("exception", repr(e)[:2000])
+            nbytes = batch * ctx * D_QK * inp.cache.element_size()
+            flops = 2 * Q_ROWS * heads * batch * ctx * (D_QK + D_V)
+            t_mem = nbytes / ceil["copy_gbps"] / 1e3
+            t_mma = flops / ceil["gemm_tflops"] / 1e6
+            roof = max(t_mem, t_mma)
+            for label, row in case_rows.items():
+                if label in us_by:
+                    us = us_by[label]
+                    if row["kernel"].startswith("cuda") and kernel_err():
+                        row["kernel_timeout"] = True
+                    row.update(us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
+                               roofline_us=round(roof, 2), fraction=round(roof / us, 3),
+                               bound="memory" if t_mem >= t_mma else "compute")
                 fm = FLASHMLA_US.get((heads, batch, ctx))
                 if fm and kv == "bf16":
                     row["flashmla_us"] = fm
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["exception"] = repr(e)[:2000]
-            print("  " + json.dumps(row), flush=True)
-            rows.append(row)
-            RESULTS["timing"].append(row)
+                print("  " + json.dumps(row), flush=True)
+                rows.append(row)
+                RESULTS["timing"].append(row)
             save()
-            inp = None  # noqa: F841  (free the cache before the next case)
+            inp = calls = None  # noqa: F841  (free the cache and graphs before the next case)
             torch.cuda.empty_cache()
     return rows
+
+
+def cuda_call(row, q, inp, scale, kv_scale, schedule, min_split_blocks):
+    from k3trt.plugins import mla_cuda
+    batch, heads = inp.table.shape[0], q.shape[1]
+    splits = mla_cuda.default_splits(batch, Q_ROWS, heads)
+    row["splits"] = splits
+    launch = {} if min_split_blocks is None else {"min_split_blocks": min_split_blocks}
+    return lambda: mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, scale,
+                                            kv_scale, D_V, splits, schedule=schedule, **launch)
+
+
+def triton_call(q, inp, scale, kv_scale):
+    import k3trt.plugins.mla_verify  # noqa: F401
+    os.environ["K3TRT_MLA_KERNEL"] = "triton"    # the op would pick the CUDA kernel
+    return lambda: torch.ops.k3trt.mla_verify(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, scale,
+                                              kv_scale, D_V)
 
 
 def print_table(rows):
@@ -308,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--schedules", default="shared,pair",
                     help="CUDA kernel schedules to time and check (mla_cuda.SCHEDULES)")
+    ap.add_argument("--min-split-blocks", default="",
+                    help="comma list of min_split_blocks to time (default: the module's)")
     ap.add_argument("--verbose-build", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke_child:
@@ -416,19 +479,16 @@ def main(argv=None):
              for b in (int(x) for x in args.batch.split(","))
              for c in (int(x) for x in args.ctx.split(","))]
     rows = []
-    if not args.no_triton:
-        banner("4a. timing: Triton op (torch.ops.k3trt.mla_verify)")
-        t0 = time.time()
-        rows += time_cases("triton", cases, ceil)
-        print(f"triton timing: {time.time() - t0:.1f}s", flush=True)
+    variants = [] if args.no_triton else [("triton", None, None)]
     if smoke_ran:
-        banner("4b. timing: CUDA kernel")
-        t0 = time.time()
-        for sched in args.schedules.split(","):
-            rows += time_cases("cuda", cases, ceil, schedule=sched)
-        print(f"cuda timing: {time.time() - t0:.1f}s", flush=True)
+        msbs = [int(x) for x in args.min_split_blocks.split(",") if x] or [None]
+        variants += [("cuda", sched, msb) for sched in args.schedules.split(",") for msb in msbs]
     else:
         print("\n(skipping CUDA kernel timing: it did not compile or its smoke run crashed)")
+    banner(f"4. timing, interleaved: {[kernel_label(*v) for v in variants]}")
+    t0 = time.time()
+    rows = time_cases(variants, cases, ceil)
+    print(f"timing: {time.time() - t0:.1f}s", flush=True)
     banner("summary table (4 rows/request, µs per call, fraction of the roofline)")
     print_table(rows)
     save()

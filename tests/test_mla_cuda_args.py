@@ -35,3 +35,4 @@ def test_cpu_call_is_refused_with_its_reason():
 def test_schedules_table():
     assert mla_cuda.DEFAULT_SCHEDULE in mla_cuda.SCHEDULES
     assert sorted(mla_cuda.SCHEDULES.values()) == [0, 1]  # the kernel's LaunchArgs::schedule codes
+

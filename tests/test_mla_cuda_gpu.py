@@ -40,7 +40,7 @@ def cases():
     return out
 
 
-def run(case, splits, seed, schedule):
+def run(case, splits, seed, schedule, **launch):
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
 
@@ -51,7 +51,7 @@ def run(case, splits, seed, schedule):
     mla_cuda.reset_kernel_error()
     mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, case.q_per_req, scale, case.kv_scale,
                              case.d_v, num_splits=splits, out=out, lse=lse, poison_scratch=True,
-                             schedule=schedule)
+                             schedule=schedule, **launch)
     assert mla_cuda.kernel_error() is None
     ref_out, ref_lse = mla_verify_ref(q, cache, table, seq_lens, case.q_per_req, scale,
                                       case.kv_scale, case.d_v)
@@ -66,6 +66,26 @@ def test_kernel_matches_reference(case, splits, schedule):
     check(*run(case, splits, seed=splits or 0, schedule=schedule))
 
 
+@pytest.mark.parametrize("min_split_blocks", [1, 2, 7])
+@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("schedule", ["shared", "pair"])
+def test_min_split_blocks(min_split_blocks, kv, schedule):
+    """How far a short request spreads (min_split_blocks) changes the work split and which partials
+    the merge reads, never the result; lengths from 0 to 20000 under one plan."""
+    case = _case((0, 1, 63, 65, 130, 700, 2500, 20000), 12, kv)
+    check(*run(case, None, seed=min_split_blocks, schedule=schedule,
+               min_split_blocks=min_split_blocks))
+
+
+@pytest.mark.parametrize("splits", [2, 16, 37, 64, 128])
+@pytest.mark.parametrize("lens", [(20000,), (5000, 0, 64, 131)], ids=["one", "mixed"])
+def test_merge_thread_groups(splits, lens):
+    """The merge's 128-thread groups (one per 8 splits, up to 8) split the partials between them and
+    add up through shared memory: every split count from one group to eight, and rows whose later
+    splits saw none of their tokens."""
+    check(*run(_case(lens, 12, None), splits, seed=splits, schedule="pair", min_split_blocks=1))
+
+
 @pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("schedule", ["shared", "pair"])
 def test_captures_in_graph_and_follows_lengths(kv, schedule):
@@ -75,7 +95,7 @@ def test_captures_in_graph_and_follows_lengths(kv, schedule):
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     call = lambda: mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, case.width ** -0.5,  # noqa: E731
                                             case.kv_scale, case.d_v, num_splits=3,
-                                            schedule=schedule)
+                                            schedule=schedule, min_split_blocks=1)
     out, lse = replay_shorter(call, seq_lens)
     check(out, lse, *mla_verify_ref(q, cache, table, seq_lens, 4, case.width ** -0.5,
                                     case.kv_scale, case.d_v))

@@ -36,7 +36,7 @@ Backends. The plain-torch reference (fp32 accumulation; CPU or GPU, syncs on seq
 oracle. On CUDA a Triton kernel runs when the case is supported: q bf16/fp16, d_v and D - d_v
 powers of two >= 16, contiguous inputs; anything else falls back to the reference. K3's own
 shapes (q bf16, D 576, d_v 512, page 64, no DCP or sparse policy) take the SM90 CUDA kernel of
-mla_cuda/ where it is faster (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton|cuda overrides).
+mla_cuda/ (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton|cuda overrides).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scal
     if reason:
         _log_fallback(reason)
         return mla_verify_ref(*args)
-    if dcp_size == 1 and sparse_chunk == 0 and _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, q_per_req, d_v):
+    if dcp_size == 1 and sparse_chunk == 0 and _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, d_v):
         from .mla_cuda import mla_verify_cuda
         return mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale, d_v)
     from . import mla_triton  # lazy: triton is imported only on the CUDA path
@@ -165,25 +165,23 @@ def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
 
 
 # Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda. "auto" takes the
-# SM90 CUDA kernel (mla_cuda/) where the H200 measured it faster (benchmarks/results/mla_cuda_h200.json):
-# grids of more than SMALL_GRID 64-row tiles. There, with 4 rows per request at 8K-32K context,
-# its pair schedule runs at 0.78-0.96 of the roofline for 12 heads (Triton 0.44-0.48) and
-# 0.63-0.74 for 48/96 heads (Triton 0.32-0.34); on smaller grids Triton's split-d_v config wins
-# at short contexts (batch 1; the notes in benchmarks/results/ say where it does not).
+# SM90 CUDA kernel (mla_cuda/) wherever it runs: on the H200 it was faster than the Triton kernel in
+# every measured cell but two (benchmarks/results/mla_cuda_h200.json): 0.78-0.96 of the roofline vs
+# 0.44-0.48 at 12 heads and batch >= 32, and at batch 1 e.g. 28 vs 39 µs (12 heads, 32K) or 67 vs
+# 147 µs (96 heads, 32K). The two: 48 and 96 heads, batch 1, 1K context, bf16, where Triton's
+# split-d_v config is ~1.5 µs (10%) faster. A captured graph replays one kernel at every length,
+# so the choice cannot follow the context length.
 KERNEL_ENV = "K3TRT_MLA_KERNEL"
 
 
-def _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, q_per_req, d_v) -> bool:
+def _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, d_v) -> bool:
     choice = os.environ.get(KERNEL_ENV, "auto")
     if choice not in ("auto", "triton", "cuda"):
         raise ValueError(f"{KERNEL_ENV}={choice!r}: choose auto, triton or cuda")
     if choice == "triton":
         return False
     from . import mla_cuda
-    from .plans import SMALL_GRID
-    if mla_cuda.unsupported(q, kv_cache, block_table, seq_lens, d_v) is not None or not _sm90_builds():
-        return False
-    return choice == "cuda" or block_table.shape[0] * -(-q_per_req * q.shape[1] // 64) > SMALL_GRID
+    return mla_cuda.unsupported(q, kv_cache, block_table, seq_lens, d_v) is None and _sm90_builds()
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,7 +10,9 @@ paged cache [pages, 64, 576] in bf16 or float8_e4m3fn (value = fp8 · kv_scale),
 and lengths. Any head count works (the Q·H folded rows are cut into 64-row tiles, one CTA each per
 split). ``num_splits`` None picks the split-K count that fills the GPU's SMs (plans.choose_splits,
 one CTA per SM); splits > 1 write fp32 partials to scratch ([rows, splits, 512], as mla_triton) and
-a merge kernel combines them by LSE.
+a merge kernel combines them by LSE. A request shorter than splits · min_split_blocks pages spreads
+over fewer splits (the grid is fixed by the plan, so CUDA graphs replay it at any length), and the
+merge reads only those, with a group of 128 threads per 8 splits (up to 1024 threads) per row.
 
 Two schedules of the same CTA (64 rows × one split, two consumer warpgroups, each owning 256 of
 the 512 output columns; TMA streams the pages through a two-stage ring of 72 KB blocks with one
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 PAGE, D_QK, D_V = 64, 576, 512
-MIN_SPLIT_BLOCKS = 4  # a request shorter than splits·4 pages spreads over fewer splits
+MIN_SPLIT_BLOCKS = 2  # a request shorter than splits·2 pages spreads over fewer splits (a pair each)
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu")
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
@@ -128,6 +130,7 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
     is read."""
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
+
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
     if reason:
         raise ValueError(f"mla_verify_cuda: unsupported call: {reason}")

@@ -282,25 +282,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   store_rows(p, acc, row_sum, row_max, ssum, 1, row_base, m0, split, wg, r0, quad);
 }
 
-// LSE merge of the split partials: one CTA of 128 threads per row, 4 columns per thread.
-__global__ void __launch_bounds__(128)
+// LSE merge of the split partials: one CTA per row, blockDim = 128 G threads. Group g of 128
+// threads sums splits g, g + G, ... over 4 columns per thread, then the groups add up through shared
+// memory: a row of a long batch-1 request has ~100 partials, and one thread walking them all would
+// leave the merge latency-bound. It reads only the splits the request spread over (active_splits).
+__device__ __forceinline__ float block_max(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) v = fmaxf(v, red[w]);
+  return v;
+}
+
+__global__ void __launch_bounds__(1024)
     mla_merge_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                            __nv_bfloat16* __restrict__ out, float* __restrict__ lse, int splits) {
+                            const int* __restrict__ seq_lens, int rows_per_req, int splits,
+                            int min_split_blocks, __nv_bfloat16* __restrict__ out,
+                            float* __restrict__ lse) {
+  extern __shared__ float merge_smem[];  // [splits] lse, then [G - 1] x (512 sums, total, pad)
+  __shared__ float red[32];
   const long row = blockIdx.x;
+  const int tid = threadIdx.x, groups = blockDim.x >> 7, g = tid >> 7, col = (tid & 127) * 4;
+  const int active = active_splits(seq_lens[row / rows_per_req], splits, min_split_blocks);
   const float* l = part_lse + row * splits;
   float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, l[s]);
-  const int col = threadIdx.x * 4;
+  for (int s = tid; s < active; s += blockDim.x) {
+    merge_smem[s] = l[s];
+    mx = fmaxf(mx, merge_smem[s]);
+  }
+  mx = block_max(mx, red);
   if (mx == -INFINITY) {
-    *reinterpret_cast<uint2*>(out + row * kDV + col) = make_uint2(0, 0);
-    if (threadIdx.x == 0) lse[row] = -INFINITY;
+    if (g == 0) *reinterpret_cast<uint2*>(out + row * kDV + col) = make_uint2(0, 0);
+    if (tid == 0) lse[row] = -INFINITY;
     return;
   }
   float total = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s = 0; s < splits; ++s) {
-    const float ls = l[s];
-    if (ls == -INFINITY) continue;
+#pragma unroll 4
+  for (int s = g; s < active; s += groups) {
+    const float ls = merge_smem[s];
+    if (ls == -INFINITY) continue;  // a split that saw none of this row's tokens wrote no O
     const float w = __expf(ls - mx);
     total += w;
     const float4 o = *reinterpret_cast<const float4*>(part_o + (row * splits + s) * kDV + col);
@@ -309,12 +330,36 @@ __global__ void __launch_bounds__(128)
     acc.z += w * o.z;
     acc.w += w * o.w;
   }
+  if (groups > 1) {
+    float* sums = merge_smem + (splits + 3) / 4 * 4;  // group g > 0 at (g - 1) * (kDV + 4)
+    if (g > 0) {
+      *reinterpret_cast<float4*>(sums + (g - 1) * (kDV + 4) + col) = acc;
+      if ((tid & 127) == 0) sums[(g - 1) * (kDV + 4) + kDV] = total;
+    }
+    __syncthreads();
+    if (g > 0) return;
+    for (int k = 0; k < groups - 1; ++k) {
+      const float4 o = *reinterpret_cast<const float4*>(sums + k * (kDV + 4) + col);
+      acc.x += o.x;
+      acc.y += o.y;
+      acc.z += o.z;
+      acc.w += o.w;
+      total += sums[k * (kDV + 4) + kDV];
+    }
+  }
   const float inv = 1.f / total;
   __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(out + row * kDV + col) =
       make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&c));
-  if (threadIdx.x == 0) lse[row] = mx + __logf(total);
+  if (tid == 0) lse[row] = mx + __logf(total);
+}
+
+// Threads per merge row: a group of 128 per 8 splits, up to 8 groups.
+static int merge_groups(int splits) {
+  int g = 1;
+  while (g < 8 && 16 * g <= splits) g *= 2;
+  return g;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -343,6 +388,15 @@ static EncodeTiledFn get_encode_fn(char* msg, size_t msg_len) {
 
 // Returns 0 on success, else writes a message into msg.
 int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) {
+  // the merge's shared memory: the splits' lse (16-byte aligned for what follows) and the sums of
+  // its thread groups but the first
+  const int groups = merge_groups(a.num_splits);
+  const size_t merge_smem = sizeof(float) * ((a.num_splits + 3) / 4 * 4 + (groups - 1) * (kDV + 4));
+  if (a.num_splits > 1 && merge_smem > 48 * 1024) {
+    snprintf(msg, msg_len, "num_splits %d: the merge kernel's shared memory would pass 48 KB",
+             a.num_splits);
+    return 1;
+  }
   EncodeTiledFn encode = get_encode_fn(msg, msg_len);
   if (!encode) return 1;
   CUtensorMap map;
@@ -402,9 +456,10 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
     return 1;
   }
   if (a.num_splits > 1) {
-    const long rows = static_cast<long>(a.batch) * p.rows_per_req;
-    mla_merge_splits_kernel<<<static_cast<unsigned>(rows), 128, 0, stream>>>(
-        a.part_o, a.part_lse, reinterpret_cast<__nv_bfloat16*>(a.out), a.lse, a.num_splits);
+    mla_merge_splits_kernel<<<static_cast<unsigned>(static_cast<long>(a.batch) * p.rows_per_req),
+                              128 * groups, merge_smem, stream>>>(
+        a.part_o, a.part_lse, a.seq_lens, p.rows_per_req, a.num_splits, a.min_split_blocks,
+        reinterpret_cast<__nv_bfloat16*>(a.out), a.lse);
     e = cudaGetLastError();
     if (e != cudaSuccess) {
       snprintf(msg, msg_len, "merge kernel launch: %s", cudaGetErrorString(e));

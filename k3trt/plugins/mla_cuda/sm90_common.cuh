@@ -260,6 +260,14 @@ __device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
                     e4m3x2_to_h2(hi >> 16));
 }
 
+// How many splits a request of n tokens spreads over: at least min_split_blocks pages each, at
+// most num_splits (the merge reads only these; the rest of the grid's splits write lse = -inf).
+__host__ __device__ __forceinline__ int active_splits(int n, int num_splits, int min_split_blocks) {
+  const int nblk_all = (n + kPage - 1) / kPage;
+  const int active = (nblk_all + min_split_blocks - 1) / min_split_blocks;
+  return max(min(num_splits, active), 1);
+}
+
 // The blocks [blo, blo + nblk) of request b that split `split` reads (a request shorter than
 // splits * min_split_blocks pages spreads over fewer splits; the others get nblk = 0).
 struct SplitRange {
@@ -268,8 +276,7 @@ struct SplitRange {
 __device__ __forceinline__ SplitRange split_range(const Params& p, int b, int split) {
   const int n = p.seq_lens[b];
   const int nblk_all = (n + kPage - 1) / kPage;
-  int active = (nblk_all + p.min_split_blocks - 1) / p.min_split_blocks;
-  active = max(min(p.num_splits, active), 1);
+  const int active = active_splits(n, p.num_splits, p.min_split_blocks);
   const int per = (nblk_all + active - 1) / active;
   const int blo = split * per;
   return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
