@@ -12,7 +12,7 @@ after every stage, so partial results survive):
      context of this process down): small shapes vs mla_verify_ref.
   3. Ceilings (copy GB/s, bf16 GEMM TFLOP/s) via benchmarks/ceilings.py.
   4. Timing of the Triton op (torch.ops.k3trt.mla_verify) and the CUDA kernel's variants
-     (schedules x --min-split-blocks), with CUDA-graph replays of 10 calls, all variants of
+     (schedules x --split-rules), with CUDA-graph replays of 10 calls, all variants of
      a case interleaved round by round (interleaved_graph_us), at H=12, batch 32/128, context
      8K/32K by default, bf16 and fp8; each variant also checked against the fp32 reference on the
      case's first requests.
@@ -205,15 +205,25 @@ def smoke_child():
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def kernel_label(kernel, schedule, min_split_blocks):
-    """cuda-<schedule>, with -m<N> where min_split_blocks differs from the default."""
+# --split-rules: how requests spread over the plan's splits (mla_cuda.MIN_SPLIT_BLOCKS): "auto" is
+# the module's rule, "spread" spreads every request over up to all splits (two pages each, the
+# rule before session 5's run 9), "m<N>" the module's rule with N pages per split at least
+SPLIT_RULES = {"auto": {}, "spread": dict(max_spread=1 << 20, full_split_blocks=1 << 20)}
+
+
+def split_rule(name: str) -> dict:
+    if name in SPLIT_RULES:
+        return SPLIT_RULES[name]
+    if name.startswith("m") and name[1:].isdigit():
+        return dict(min_split_blocks=int(name[1:]))
+    raise SystemExit(f"--split-rules: {name!r} is not one of {sorted(SPLIT_RULES)} or m<N>")
+
+
+def kernel_label(kernel, schedule, rule):
+    """cuda-<schedule>, with -<rule> where the split rule is not the module's."""
     if kernel != "cuda":
         return kernel
-    from k3trt.plugins import mla_cuda
-    label = f"cuda-{schedule}"
-    if min_split_blocks is not None and min_split_blocks != mla_cuda.MIN_SPLIT_BLOCKS:
-        label += f"-m{min_split_blocks}"
-    return label
+    return f"cuda-{schedule}" + ("" if rule in (None, "auto") else f"-{rule}")
 
 
 def interleaved_graph_us(calls: dict, per_graph: int = 10, rounds: int = 9) -> dict:
@@ -248,7 +258,7 @@ def interleaved_graph_us(calls: dict, per_graph: int = 10, rounds: int = 9) -> d
 
 
 def time_cases(variants, cases, ceil):
-    """variants: (kernel, schedule, min_split_blocks) tuples, kernel "cuda" or "triton"; all
+    """variants: (kernel, schedule, split rule name) tuples, kernel "cuda" or "triton"; all
     variants of a case are checked against the reference, then timed interleaved."""
     from mla_verify import FLASHMLA_US, make_cache
 
@@ -268,11 +278,11 @@ def time_cases(variants, cases, ceil):
             ref_out, ref_lse = mla_verify_ref(q[:nchk * Q_ROWS], inp.cache, inp.table[:nchk],
                                               inp.seq_lens[:nchk], Q_ROWS, scale, kv_scale, D_V)
             case_rows, calls = {}, {}
-            for kernel, schedule, msb in variants:
-                label = kernel_label(kernel, schedule, msb)
+            for kernel, schedule, rule in variants:
+                label = kernel_label(kernel, schedule, rule)
                 row = dict(kernel=label, heads=heads, batch=batch, ctx=ctx, kv=kv)
                 try:
-                    call = cuda_call(row, q, inp, scale, kv_scale, schedule, msb) \
+                    call = cuda_call(row, q, inp, scale, kv_scale, schedule, rule) \
                         if kernel == "cuda" else triton_call(q, inp, scale, kv_scale)
                     out, lse = call()
                     torch.cuda.synchronize()
@@ -319,12 +329,12 @@ def time_cases(variants, cases, ceil):
     return rows
 
 
-def cuda_call(row, q, inp, scale, kv_scale, schedule, min_split_blocks):
+def cuda_call(row, q, inp, scale, kv_scale, schedule, rule):
     from k3trt.plugins import mla_cuda
     batch, heads = inp.table.shape[0], q.shape[1]
     splits = mla_cuda.default_splits(batch, Q_ROWS, heads)
     row["splits"] = splits
-    launch = {} if min_split_blocks is None else {"min_split_blocks": min_split_blocks}
+    launch = split_rule(rule or "auto")
     return lambda: mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, scale,
                                             kv_scale, D_V, splits, schedule=schedule, **launch)
 
@@ -369,10 +379,13 @@ def main(argv=None):
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--schedules", default="shared,pair",
                     help="CUDA kernel schedules to time and check (mla_cuda.SCHEDULES)")
-    ap.add_argument("--min-split-blocks", default="",
-                    help="comma list of min_split_blocks to time (default: the module's)")
+    ap.add_argument("--split-rules", default="auto",
+                    help="comma list of split rules to time: auto (the module's), spread, m<N>")
     ap.add_argument("--verbose-build", action="store_true")
     args = ap.parse_args(argv)
+    rules = [x for x in args.split_rules.split(",") if x]
+    for r in rules:
+        split_rule(r)  # a bad name stops here, before the build
     if args.smoke_child:
         smoke_child()
         return 0
@@ -481,8 +494,7 @@ def main(argv=None):
     rows = []
     variants = [] if args.no_triton else [("triton", None, None)]
     if smoke_ran:
-        msbs = [int(x) for x in args.min_split_blocks.split(",") if x] or [None]
-        variants += [("cuda", sched, msb) for sched in args.schedules.split(",") for msb in msbs]
+        variants += [("cuda", sched, r) for sched in args.schedules.split(",") for r in rules]
     else:
         print("\n(skipping CUDA kernel timing: it did not compile or its smoke run crashed)")
     banner(f"4. timing, interleaved: {[kernel_label(*v) for v in variants]}")

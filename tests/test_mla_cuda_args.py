@@ -36,3 +36,15 @@ def test_schedules_table():
     assert mla_cuda.DEFAULT_SCHEDULE in mla_cuda.SCHEDULES
     assert sorted(mla_cuda.SCHEDULES.values()) == [0, 1]  # the kernel's LaunchArgs::schedule codes
 
+
+
+
+@pytest.mark.parametrize("batch, heads, splits, expect", [
+    (1, 12, 113, 113),   # batch 1: 113 CTAs, one wave: spread as far as the plan goes
+    (32, 12, 4, 4),      # 128 CTAs
+    (32, 48, 4, 1),      # 96 programs: a second split is a second wave
+    (8, 96, 5, 2),       # 48 programs: two splits fill 96 SMs
+    (128, 12, 1, 1),
+])
+def test_wave_splits(batch, heads, splits, expect):
+    assert mla_cuda.wave_splits(batch, 4, heads, splits, num_sms=132) == expect

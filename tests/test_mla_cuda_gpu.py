@@ -66,15 +66,17 @@ def test_kernel_matches_reference(case, splits, schedule):
     check(*run(case, splits, seed=splits or 0, schedule=schedule))
 
 
-@pytest.mark.parametrize("min_split_blocks", [1, 2, 7])
+@pytest.mark.parametrize("rule", [dict(min_split_blocks=1, full_split_blocks=1000),
+                                  dict(min_split_blocks=2), dict(min_split_blocks=7, max_spread=3),
+                                  dict(full_split_blocks=3, max_spread=1),
+                                  dict(full_split_blocks=40, max_spread=2)], ids=str)
 @pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("schedule", ["shared", "pair"])
-def test_min_split_blocks(min_split_blocks, kv, schedule):
-    """How far a short request spreads (min_split_blocks) changes the work split and which partials
-    the merge reads, never the result; lengths from 0 to 20000 under one plan."""
+def test_split_rule(rule, kv, schedule):
+    """How far each request spreads over the plan's splits (SplitRule) changes the work split and
+    which partials the merge reads, never the result; lengths from 0 to 20000 under one plan."""
     case = _case((0, 1, 63, 65, 130, 700, 2500, 20000), 12, kv)
-    check(*run(case, None, seed=min_split_blocks, schedule=schedule,
-               min_split_blocks=min_split_blocks))
+    check(*run(case, 6, seed=len(rule), schedule=schedule, **rule))
 
 
 @pytest.mark.parametrize("splits", [2, 16, 37, 64, 128])
@@ -83,7 +85,8 @@ def test_merge_thread_groups(splits, lens):
     """The merge's 128-thread groups (one per 8 splits, up to 8) split the partials between them and
     add up through shared memory: every split count from one group to eight, and rows whose later
     splits saw none of their tokens."""
-    check(*run(_case(lens, 12, None), splits, seed=splits, schedule="pair", min_split_blocks=1))
+    check(*run(_case(lens, 12, None), splits, seed=splits, schedule="pair", min_split_blocks=1,
+               full_split_blocks=1, max_spread=splits))
 
 
 @pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])

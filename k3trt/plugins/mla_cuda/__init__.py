@@ -10,9 +10,11 @@ paged cache [pages, 64, 576] in bf16 or float8_e4m3fn (value = fp8 · kv_scale),
 and lengths. Any head count works (the Q·H folded rows are cut into 64-row tiles, one CTA each per
 split). ``num_splits`` None picks the split-K count that fills the GPU's SMs (plans.choose_splits,
 one CTA per SM); splits > 1 write fp32 partials to scratch ([rows, splits, 512], as mla_triton) and
-a merge kernel combines them by LSE. A request shorter than splits · min_split_blocks pages spreads
-over fewer splits (the grid is fixed by the plan, so CUDA graphs replay it at any length), and the
-merge reads only those, with a group of 128 threads per 8 splits (up to 1024 threads) per row.
+a merge kernel combines them by LSE. A request shorter than splits · full_split_blocks pages
+spreads over fewer splits: at most ``max_spread`` (None: as many as keep the grid in one wave of
+CTAs), with at least min_split_blocks pages each (the rule and why: MIN_SPLIT_BLOCKS). The grid
+stays as planned, so a captured graph replays at any length; the merge reads only the splits used,
+with a group of 128 threads per 8 splits (up to 1024 threads) per row.
 
 Two schedules of the same CTA (64 rows × one split, two consumer warpgroups, each owning 256 of
 the 512 output columns; TMA streams the pages through a two-stage ring of 72 KB blocks with one
@@ -45,7 +47,13 @@ log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 PAGE, D_QK, D_V = 64, 576, 512
-MIN_SPLIT_BLOCKS = 2  # a request shorter than splits·2 pages spreads over fewer splits (a pair each)
+# How a request spreads over the plan's splits (SplitRule in sm90_common.cuh): over all of them
+# from FULL_SPLIT_BLOCKS pages per split; shorter, over at most as many as keep the grid in one wave
+# of CTAs (wave_splits), with at least MIN_SPLIT_BLOCKS pages (one pair) each. Extra waves pay for
+# themselves only on long requests: each extra CTA writes 128 KB of fp32 partials that the merge
+# reads back, so at 48 heads, batch 32 and 1K context four splits took 75 us and one 51 us, and at
+# batch 1 the request is spread as far as it goes (mla_cuda_h200.json runs 8-9).
+MIN_SPLIT_BLOCKS, FULL_SPLIT_BLOCKS = 2, 16
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu")
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
@@ -107,6 +115,12 @@ def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0
     return choose_splits(max(1, batch * m_tiles), _num_sms(device_index))
 
 
+def wave_splits(batch: int, q_per_req: int, heads: int, splits: int, num_sms: int) -> int:
+    """The most splits (<= splits) whose grid is one wave of CTAs (one CTA per SM)."""
+    m_tiles = -(-q_per_req * heads // 64)
+    return max(1, min(splits, num_sms // max(1, batch * m_tiles)))
+
+
 def kernel_error(device=None) -> dict | None:
     """The first in-kernel timeout since the last reset (syncs), or None. A timeout means the
     pipeline lost a TMA completion: results of that call are garbage."""
@@ -124,13 +138,13 @@ def reset_kernel_error(device=None) -> None:
 
 def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0,
                     d_v=512, num_splits=None, *, out=None, lse=None, poison_scratch=False,
-                    min_split_blocks=MIN_SPLIT_BLOCKS, schedule=DEFAULT_SCHEDULE):
+                    min_split_blocks=MIN_SPLIT_BLOCKS, full_split_blocks=FULL_SPLIT_BLOCKS,
+                    max_spread=None, schedule=DEFAULT_SCHEDULE):
     """out [B·Q, H, 512] bf16, lse [B·Q, H] fp32 (see the module docstring). Tests pass NaN-filled
     `out` / `lse` and `poison_scratch` to prove every element is written and no unwritten partial
     is read."""
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
-
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
     if reason:
         raise ValueError(f"mla_verify_cuda: unsupported call: {reason}")
@@ -142,6 +156,8 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
     if num_splits is None:
         num_splits = default_splits(batch, q_per_req, heads, index)
     num_splits = max(1, int(num_splits))
+    if max_spread is None:
+        max_spread = wave_splits(batch, q_per_req, heads, num_splits, _num_sms(index))
     if out is None:
         out = torch.empty(batch * q_per_req, heads, D_V, dtype=q.dtype, device=q.device)
     if lse is None:
@@ -153,7 +169,8 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
         else (lse, lse)  # unused without splits
     mod = load_extension()
     mod.forward(q, kv_cache, block_table, seq_lens, int(q_per_req), float(softmax_scale),
-                float(kv_scale), num_splits, int(min_split_blocks), out, lse, part_o, part_lse,
+                float(kv_scale), num_splits, int(max_spread), int(min_split_blocks),
+                int(full_split_blocks), out, lse, part_o, part_lse,
                 _err_buffer(index), SCHEDULES[schedule],
                 torch.cuda.current_stream(q.device).cuda_stream)
     return out, lse

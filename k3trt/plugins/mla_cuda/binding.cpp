@@ -10,7 +10,8 @@
 
 static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                     torch::Tensor seq_lens, int64_t q_per_req, double softmax_scale,
-                    double kv_scale, int64_t num_splits, int64_t min_split_blocks,
+                    double kv_scale, int64_t num_splits, int64_t wave_splits,
+                    int64_t min_split_blocks, int64_t full_split_blocks,
                     torch::Tensor out, torch::Tensor lse, torch::Tensor part_o,
                     torch::Tensor part_lse, torch::Tensor err, int64_t schedule,
                     int64_t stream) {
@@ -53,7 +54,9 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   a.q_per_req = static_cast<int>(q_per_req);
   a.heads = static_cast<int>(q.size(1));
   a.num_splits = static_cast<int>(num_splits);
+  a.wave_splits = static_cast<int>(wave_splits);
   a.min_split_blocks = static_cast<int>(min_split_blocks);
+  a.full_split_blocks = static_cast<int>(full_split_blocks);
   a.schedule = static_cast<int>(schedule);
   a.softmax_scale = static_cast<float>(softmax_scale);
   a.kv_scale = static_cast<float>(kv_scale);

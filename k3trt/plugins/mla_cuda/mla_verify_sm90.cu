@@ -39,6 +39,8 @@
 #include "sm90_common.cuh"
 #include "mla_verify_sm90.h"
 
+#include <algorithm>
+
 namespace k3mla {
 
 // shared-memory map (offsets from a 1024-aligned base)
@@ -297,13 +299,13 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 __global__ void __launch_bounds__(1024)
     mla_merge_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                             const int* __restrict__ seq_lens, int rows_per_req, int splits,
-                            int min_split_blocks, __nv_bfloat16* __restrict__ out,
+                            SplitRule rule, __nv_bfloat16* __restrict__ out,
                             float* __restrict__ lse) {
   extern __shared__ float merge_smem[];  // [splits] lse, then [G - 1] x (512 sums, total, pad)
   __shared__ float red[32];
   const long row = blockIdx.x;
   const int tid = threadIdx.x, groups = blockDim.x >> 7, g = tid >> 7, col = (tid & 127) * 4;
-  const int active = active_splits(seq_lens[row / rows_per_req], splits, min_split_blocks);
+  const int active = active_splits(seq_lens[row / rows_per_req], splits, rule);
   const float* l = part_lse + row * splits;
   float mx = -INFINITY;
   for (int s = tid; s < active; s += blockDim.x) {
@@ -428,7 +430,8 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   p.heads = a.heads;
   p.rows_per_req = a.q_per_req * a.heads;
   p.num_splits = a.num_splits;
-  p.min_split_blocks = a.min_split_blocks;
+  p.rule = {std::max(1, std::min(a.wave_splits, a.num_splits)), std::max(1, a.min_split_blocks),
+            std::max(1, a.full_split_blocks)};
   const float log2e = 1.4426950408889634f;
   p.scale_log2 = a.softmax_scale * a.kv_scale * log2e * (a.kv_fp8 ? 16.f : 1.f);
   p.out_scale = a.kv_scale;
@@ -458,7 +461,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   if (a.num_splits > 1) {
     mla_merge_splits_kernel<<<static_cast<unsigned>(static_cast<long>(a.batch) * p.rows_per_req),
                               128 * groups, merge_smem, stream>>>(
-        a.part_o, a.part_lse, a.seq_lens, p.rows_per_req, a.num_splits, a.min_split_blocks,
+        a.part_o, a.part_lse, a.seq_lens, p.rows_per_req, a.num_splits, p.rule,
         reinterpret_cast<__nv_bfloat16*>(a.out), a.lse);
     e = cudaGetLastError();
     if (e != cudaSuccess) {

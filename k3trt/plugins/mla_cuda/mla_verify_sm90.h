@@ -12,7 +12,8 @@ struct LaunchArgs {
   const int* block_table; // [B, bt_stride] int32
   int bt_stride;
   const int* seq_lens;    // [B] int32
-  int batch, q_per_req, heads, num_splits, min_split_blocks;
+  int batch, q_per_req, heads, num_splits;
+  int wave_splits, min_split_blocks, full_split_blocks;  // the split rule (sm90_common.cuh)
   int schedule;           // 0: shared-block kernel, 1: pair kernel
   float softmax_scale, kv_scale;
   void* out;              // [B*Q, H, 512] bf16

@@ -28,6 +28,16 @@ constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
 constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
 constexpr int kThreads = 256;
 
+// How a request spreads over the grid's splits (active_splits): all num_splits when it has at least
+// full_blocks pages per split (the extra waves of CTAs and their fp32 partials are then paid for);
+// else min_blocks pages per split at least, over at most wave_splits splits (the most that keep the
+// grid in one wave of CTAs).
+struct SplitRule {
+  int wave_splits;
+  int min_blocks;
+  int full_blocks;
+};
+
 struct Params {
   const void* q;          // [B*Q, H, 576] bf16
   const int* block_table; // [B, bt_stride] int32
@@ -42,7 +52,7 @@ struct Params {
   int heads;
   int rows_per_req;       // q_per_req * heads
   int num_splits;
-  int min_split_blocks;
+  SplitRule rule;
   float scale_log2;       // softmax_scale * kv_scale * log2(e) (/ q pre-scale on the fp8 path)
   float out_scale;        // kv_scale
 };
@@ -260,23 +270,23 @@ __device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
                     e4m3x2_to_h2(hi >> 16));
 }
 
-// How many splits a request of n tokens spreads over: at least min_split_blocks pages each, at
-// most num_splits (the merge reads only these; the rest of the grid's splits write lse = -inf).
-__host__ __device__ __forceinline__ int active_splits(int n, int num_splits, int min_split_blocks) {
-  const int nblk_all = (n + kPage - 1) / kPage;
-  const int active = (nblk_all + min_split_blocks - 1) / min_split_blocks;
-  return max(min(num_splits, active), 1);
+// How many splits a request of n tokens spreads over (SplitRule); the merge reads only these, and
+// the grid's other splits of the request write lse = -inf.
+__host__ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitRule& r) {
+  const int nblk = (n + kPage - 1) / kPage;
+  const int spread = max(min((nblk + r.min_blocks - 1) / r.min_blocks, r.wave_splits), 1);
+  return nblk >= num_splits * r.full_blocks ? num_splits : spread;
 }
 
-// The blocks [blo, blo + nblk) of request b that split `split` reads (a request shorter than
-// splits * min_split_blocks pages spreads over fewer splits; the others get nblk = 0).
+// The blocks [blo, blo + nblk) of request b that split `split` reads (nblk = 0 past its active
+// splits).
 struct SplitRange {
   int n, blo, nblk;
 };
 __device__ __forceinline__ SplitRange split_range(const Params& p, int b, int split) {
   const int n = p.seq_lens[b];
   const int nblk_all = (n + kPage - 1) / kPage;
-  const int active = active_splits(n, p.num_splits, p.min_split_blocks);
+  const int active = active_splits(n, p.num_splits, p.rule);
   const int per = (nblk_all + active - 1) / active;
   const int blo = split * per;
   return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
