@@ -231,29 +231,14 @@ def interleaved_graph_us(calls: dict, per_graph: int = 10, rounds: int = 9) -> d
     and replayed in rounds (A B C, A B C, ...), so that a lent GPU's clock drifting during the run
     moves every variant alike (timing the variants one after another moved them by up to 15%)."""
     import statistics
-    graphs = {}
-    for label, fn in calls.items():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(per_graph):
-                fn()
-        g.replay()
-        graphs[label] = g
+
+    from mla_verify import capture_graph, replay_us
+    graphs = {label: capture_graph(fn, per_graph) for label, fn in calls.items()}
     torch.cuda.synchronize()
     times = {label: [] for label in graphs}
     for _ in range(rounds):
         for label, g in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times[label].append(start.elapsed_time(end) * 1000 / per_graph)
+            times[label].append(replay_us(g, per_graph))
     return {label: statistics.median(t) for label, t in times.items()}
 
 

@@ -87,7 +87,9 @@ def precompile(keys, workers):
     print(f"precompiled {len(keys)} kernels in {time.time() - t:.1f}s", flush=True)
 
 
-def graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
+def capture_graph(fn, calls: int = 10):
+    """fn() run once eagerly and once on a side stream (warm-up, allocator), then `calls` of it
+    captured in a CUDA graph, replayed once."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -100,14 +102,22 @@ def graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
+    return graph
+
+
+def replay_us(graph, calls: int) -> float:
+    """µs per call of one replay of a graph of `calls` calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / calls
+
+
+def graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
+    graph = capture_graph(fn, calls)
+    times = [replay_us(graph, calls) for _ in range(reps)]
     del graph
     return statistics.median(times)
 
