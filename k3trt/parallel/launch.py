@@ -66,6 +66,9 @@ def _entry(rank, fn, world_size, backend, args):
     init_process_group(rank, world_size, backend)
     try:
         fn(rank, *args)
+        # no rank closes its connections while another may still be using them (a gloo rank once
+        # aborted at teardown in CI: "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
