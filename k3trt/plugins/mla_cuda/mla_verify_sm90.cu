@@ -196,26 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // 3. mask, scale, row max over own tokens; exchange with the other warpgroup
     const int tok0 = (blo + i) * kPage + wg * 32;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int pos = tok0 + 8 * j + 2 * quad + e;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = s[4 * j + 2 * h + e] * p.scale_log2;
-          v = pos < vis[h] ? v : -INFINITY;
-          s[4 * j + 2 * h + e] = v;
-          mx[h] = fmaxf(mx[h], v);
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-    }
+    float mx[2];
+    mask_rowmax<4>(s, tok0, vis, p.scale_log2, quad, mx);
     if (quad == 0) {
       smax[wg * 64 + r0] = mx[0];
       smax[wg * 64 + r0 + 8] = mx[1];

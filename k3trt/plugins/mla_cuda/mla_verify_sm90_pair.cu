@@ -167,31 +167,6 @@ __device__ __forceinline__ void pv_smem(float* acc, uint32_t sp, uint32_t kv, in
   wgmma_commit();
 }
 
-// scale by scale_log2 and mask (token >= visible length -> -inf; also replaces NaN read from
-// slots past the length); mx = this block's row maxima over the quad
-__device__ __forceinline__ void mask_rowmax(float* s, int tok0, const int* vis, float scale,
-                                            int quad, float* mx) {
-  mx[0] = mx[1] = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int pos = tok0 + 8 * j + 2 * quad + e;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v = s[4 * j + 2 * h + e] * scale;
-        v = pos < vis[h] ? v : -INFINITY;
-        s[4 * j + 2 * h + e] = v;
-        mx[h] = fmaxf(mx[h], v);
-      }
-    }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-  }
-}
-
 // s <- exp2(s - m) in place; returns this thread's partial row sums
 __device__ __forceinline__ void exp_rows(float* s, const float* m, float* sum) {
   sum[0] = sum[1] = 0.f;
@@ -358,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // softmax of A against the running max
       float mx[2], mu[2], sa[2], ps[2];
-      mask_rowmax(s, (blo + ia) * kPage, vis, p.scale_log2, quad, mx);
+      mask_rowmax<8>(s, (blo + ia) * kPage, vis, p.scale_log2, quad, mx);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mnew = fmaxf(m_run[h], mx[h]);
@@ -430,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
       }
       float mx[2], mu[2], sb[2], f[2];
-      if (has_b) mask_rowmax(s, (blo + ib) * kPage, vis, p.scale_log2, quad, mx);
+      if (has_b) mask_rowmax<8>(s, (blo + ib) * kPage, vis, p.scale_log2, quad, mx);
       named_bar(kBarAReady, kThreads);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

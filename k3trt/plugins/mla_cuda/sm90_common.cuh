@@ -292,6 +292,33 @@ __device__ __forceinline__ SplitRange split_range(const Params& p, int b, int sp
   return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
 }
 
+// Scale a score tile by `scale` and mask it (token >= visible length -> -inf, which also replaces
+// NaN read from slots past the length); mx = the rows' maxima over the quad. kGroups 8-token column
+// groups of the wgmma accumulator: 8 for a 64-token tile (pair), 4 for 32 (shared).
+template <int kGroups>
+__device__ __forceinline__ void mask_rowmax(float* s, int tok0, const int* vis, float scale,
+                                            int quad, float* mx) {
+  mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pos = tok0 + 8 * j + 2 * quad + e;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = s[4 * j + 2 * h + e] * scale;
+        v = pos < vis[h] ? v : -INFINITY;
+        s[4 * j + 2 * h + e] = v;
+        mx[h] = fmaxf(mx[h], v);
+      }
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+  }
+}
+
 // A CTA with nothing to read: lse = -inf (and out = 0 without split-K).
 __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int m0, int split,
                                              int tid) {
