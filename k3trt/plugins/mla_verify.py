@@ -36,7 +36,7 @@ Backends. The plain-torch reference (fp32 accumulation; CPU or GPU, syncs on seq
 oracle. On CUDA a Triton kernel runs when the case is supported: q bf16/fp16, d_v and D - d_v
 powers of two >= 16, contiguous inputs; anything else falls back to the reference. K3's own
 shapes (q bf16, D 576, d_v 512, page 64, no DCP or sparse policy) take the SM90 CUDA kernel of
-mla_cuda/ (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton|cuda overrides).
+mla_cuda/ wherever it builds (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton overrides).
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
     return make_plan(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8=kv_fp8, num_sms=sms)
 
 
-# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda. "auto" takes the
+# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda ("cuda" is now the
+# same as "auto", kept so that existing settings stay valid). "auto" takes the
 # SM90 CUDA kernel (mla_cuda/) wherever it runs: on the H200 it was faster than the Triton kernel in
 # 69 of 72 cells (heads 12/48/96, batch 1/8/32/128, context 1K/8K/32K, bf16/fp8; mla_cuda_h200.json
 # run 10), e.g. 0.77-1.00 of the roofline vs 0.44-0.48 at 12 heads and batch >= 32, and at batch 1

@@ -272,7 +272,7 @@ __device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
 
 // How many splits a request of n tokens spreads over (SplitRule); the merge reads only these, and
 // the grid's other splits of the request write lse = -inf.
-__host__ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitRule& r) {
+__device__ __forceinline__ int active_splits(int n, int num_splits, const SplitRule& r) {
   const int nblk = (n + kPage - 1) / kPage;
   const int spread = max(min((nblk + r.min_blocks - 1) / r.min_blocks, r.wave_splits), 1);
   return nblk >= num_splits * r.full_blocks ? num_splits : spread;
