@@ -1,7 +1,10 @@
-"""Benchmark k3trt::mla_verify's Triton kernel at K3 shapes (576 / 512) against the roofline.
+"""Benchmark k3trt::mla_verify's kernels at K3 shapes (576 / 512) against the roofline.
 
     PYTHONPATH=. python benchmarks/mla_verify.py --json out.json [--heads 12,48,96]
-        [--batch 1,32,128] [--ctx 1024,8192,32768] [--kv bf16,fp8] [--configs n32w8s2,n64w8s2]
+        [--batch 1,32,128] [--ctx 1024,8192,32768] [--kv bf16,fp8] [--configs cuda,n64w8s2]
+
+Kernels (--configs): "cuda" = the SM90 CUDA kernel, which the op runs on the H200 (default), and
+Triton configs by name.
 
 Per case (local heads H, batch B, context L, KV dtype, kernel config): time per call from CUDA-graph
 replays of 10 calls (as the FlashMLA anchor was measured), achieved GB/s (KV bytes, each token's
@@ -159,17 +162,30 @@ def make_cache(batch, ctx, kv):
     return Inputs(cache, table, torch.full((batch,), ctx, device="cuda", dtype=torch.int32))
 
 
-def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
+def kernel_call(spec, batch, q_rows, heads, kv_fp8):
+    """(fn(q, cache, table, lens, scale, kv_scale) -> (out, lse), split count) of the kernel under
+    test: "cuda" = the SM90 CUDA kernel as the op runs it on the H200 (its default splits, split
+    rule and merge), else a Triton config name (parse_config) launched per its capacity plan."""
+    if spec == "cuda":
+        from k3trt.plugins import mla_cuda
+        splits = mla_cuda.default_splits(batch, q_rows, heads)
+        return (lambda q, c, t, n, sc, ks: mla_cuda.mla_verify_cuda(q, c, t, n, q_rows, sc, ks, D_V,
+                                                                    splits)), splits
     from k3trt.plugins import mla_triton
+    plan = make_plan(batch, q_rows, heads, spec, kv_fp8)
+    return (lambda q, c, t, n, sc, ks: mla_triton.mla_verify_fwd(plan, q, c, t, n, q_rows, sc, ks,
+                                                                 D_V)), plan.num_splits
+
+
+def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
     from k3trt.plugins.mla_verify import mla_verify_ref
     from k3trt.testing import rel_norm_error
 
     kv_fp8 = kv == "fp8"
     scale, kv_scale = 192 ** -0.5, (0.25 if kv_fp8 else 1.0)
     q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
-    plan = make_plan(batch, Q_ROWS, heads, spec, kv_fp8)
-    call = lambda: mla_triton.mla_verify_fwd(plan, q, inp.cache, inp.table, inp.seq_lens,  # noqa: E731
-                                             Q_ROWS, scale, kv_scale, D_V)
+    fwd, splits = kernel_call(spec, batch, Q_ROWS, heads, kv_fp8)
+    call = lambda: fwd(q, inp.cache, inp.table, inp.seq_lens, scale, kv_scale)  # noqa: E731
     out, lse = call()
     ref_out, _ = mla_verify_ref(q[:Q_ROWS], inp.cache, inp.table[:1], inp.seq_lens[:1], Q_ROWS,
                                 scale, kv_scale, D_V)
@@ -180,7 +196,7 @@ def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
     flops = 2 * Q_ROWS * heads * batch * ctx * (D_QK + D_V)
     t_mem, t_mma = nbytes / ceil["copy_gbps"] / 1e3, flops / ceil["gemm_tflops"] / 1e6
     roof = max(t_mem, t_mma)
-    row = dict(heads=heads, batch=batch, ctx=ctx, kv=kv, config=spec, splits=plan.num_splits,
+    row = dict(heads=heads, batch=batch, ctx=ctx, kv=kv, config=spec, splits=splits,
                us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), tflops=round(flops / us / 1e6, 1),
                roofline_us=round(roof, 2), bound="memory" if t_mem >= t_mma else "compute",
                fraction=round(roof / us, 3), rel_err=float(f"{err:.3g}"), nan=nan)
@@ -191,12 +207,11 @@ def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
     if baselines:
         qs = [q.view(batch, Q_ROWS, heads, D_QK)[:, j].contiguous() for j in range(Q_ROWS)]
         lens = [inp.seq_lens - (Q_ROWS - 1 - j) for j in range(Q_ROWS)]
-        plan1 = make_plan(batch, 1, heads, spec, kv_fp8)
+        fwd1, _ = kernel_call(spec, batch, 1, heads, kv_fp8)
 
         def four():
             for j in range(Q_ROWS):
-                mla_triton.mla_verify_fwd(plan1, qs[j], inp.cache, inp.table, lens[j], 1, scale,
-                                          kv_scale, D_V)
+                fwd1(qs[j], inp.cache, inp.table, lens[j], scale, kv_scale)
         row["four_single_us"] = round(graph_time_us(four), 2)
         row["speedup_vs_four"] = round(row["four_single_us"] / us, 2)
         score_bytes = batch * Q_ROWS * heads * inp.table.shape[1] * PAGE * 4
@@ -228,7 +243,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=ints, default=[1, 32, 128])
     ap.add_argument("--ctx", type=ints, default=[1024, 8192, 32768])
     ap.add_argument("--kv", default="bf16,fp8")
-    ap.add_argument("--configs", default="n32w8s2")
+    ap.add_argument("--configs", default="cuda",
+                    help="kernels to time: cuda (the SM90 kernel the op runs on the H200) and/or "
+                         "Triton configs such as n64w8s2 (BLOCK_N 64, 8 warps, 2 stages)")
     ap.add_argument("--extra", default="", help="extra cases H:B:L;… beyond the grid")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -239,12 +256,17 @@ def main(argv=None):
     shapes = [(h, b, c) for b in args.batch for c in args.ctx for h in args.heads]
     shapes += [tuple(int(x) for x in e.split(":")) for e in args.extra.split(";") if e]
     keys = {}
-    for s, kv, h, q, split in itertools.product(specs, kvs, {x[0] for x in shapes},
+    for s, kv, h, q, split in itertools.product([x for x in specs if x != "cuda"], kvs,
+                                                {x[0] for x in shapes},
                                                 (Q_ROWS,) if args.no_baselines else (Q_ROWS, 1),
                                                 (False, True)):
         # one binary per tile shape: heads only matter through BLOCK_M
         keys[(s, kv, parse_config(s, q * h).block_m, split)] = (s, kv, q, h, split)
-    precompile(list(keys.values()), args.workers)
+    if keys:
+        precompile(list(keys.values()), args.workers)
+    if "cuda" in specs:
+        from k3trt.plugins import mla_cuda
+        mla_cuda.load_extension()
     ceil = measure()
     print(json.dumps(ceil), flush=True)
     import k3trt.plugins.mla_verify  # noqa: F401

@@ -35,6 +35,7 @@ code=sm_90a``: wgmma needs the "a" target). The build is cached by torch under
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -65,16 +66,25 @@ SCHEDULES = {"shared": 0, "pair": 1}
 DEFAULT_SCHEDULE = "pair"
 
 
-@functools.lru_cache(maxsize=1)
-def load_extension(verbose: bool = False):
-    """JIT-build (or load the cached build of) the extension; raises on a compiler error."""
+@functools.lru_cache(maxsize=4)
+def load_extension(verbose: bool = False, timeline: bool = False, src_dir: str | None = None):
+    """JIT-build (or load the cached build of) the extension; raises on a compiler error.
+    Diagnostics (benchmarks/mla_breakdown.py, benchmarks/mla_ab.py) pass the result as
+    mla_verify_cuda's `ext`: timeline = the build whose pair kernel stamps each CTA's phases
+    (mod.timeline(ctas)); src_dir = the same sources from another folder (an A/B baseline). Each is
+    a module of its own beside the production one."""
     from torch.utils.cpp_extension import load
 
     t0 = time.time()
-    mod = load(name="k3trt_mla_sm90", sources=[os.path.join(_DIR, s) for s in SOURCES],
-               extra_cuda_cflags=CUDA_FLAGS, extra_cflags=["-O3"],
-               extra_include_paths=[_DIR], verbose=verbose)
-    log.info("mla_cuda: extension ready in %.1fs", time.time() - t0)
+    src = os.path.abspath(src_dir or _DIR)
+    flags = ["-DMLA_TIMELINE"] if timeline else []
+    name = "k3trt_mla_sm90" + ("_timeline" if timeline else "")
+    if src != _DIR:
+        name += "_" + hashlib.sha1(src.encode()).hexdigest()[:8]
+    mod = load(name=name, sources=[os.path.join(src, s) for s in SOURCES],
+               extra_cuda_cflags=CUDA_FLAGS + flags, extra_cflags=["-O3"] + flags,
+               extra_include_paths=[src], verbose=verbose)
+    log.info("mla_cuda: extension %s ready in %.1fs", name, time.time() - t0)
     return mod
 
 
@@ -139,10 +149,10 @@ def reset_kernel_error(device=None) -> None:
 def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0,
                     d_v=512, num_splits=None, *, out=None, lse=None, poison_scratch=False,
                     min_split_blocks=MIN_SPLIT_BLOCKS, full_split_blocks=FULL_SPLIT_BLOCKS,
-                    max_spread=None, schedule=DEFAULT_SCHEDULE):
+                    max_spread=None, schedule=DEFAULT_SCHEDULE, ext=None):
     """out [B·Q, H, 512] bf16, lse [B·Q, H] fp32 (see the module docstring). Tests pass NaN-filled
     `out` / `lse` and `poison_scratch` to prove every element is written and no unwritten partial
-    is read."""
+    is read. ext: another build of the extension to run (load_extension's diagnostics)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
@@ -167,7 +177,7 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
         return out, lse
     part_o, part_lse = split_scratch(rows, num_splits, D_V, q.device, poison_scratch) if num_splits > 1 \
         else (lse, lse)  # unused without splits
-    mod = load_extension()
+    mod = ext or load_extension()
     mod.forward(q, kv_cache, block_table, seq_lens, int(q_per_req), float(softmax_scale),
                 float(kv_scale), num_splits, int(max_spread), int(min_split_blocks),
                 int(full_split_blocks), out, lse, part_o, part_lse,

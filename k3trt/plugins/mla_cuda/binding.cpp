@@ -71,6 +71,19 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   TORCH_CHECK(rc == 0, "mla_verify_sm90: ", std::string(msg));
 }
 
+#ifdef MLA_TIMELINE
+// the diagnostic build's stamps: uint64 [ctas, 10] (slots in mla_verify_sm90_pair.cu)
+static torch::Tensor timeline(int64_t ctas) {
+  auto t = torch::zeros({ctas, 10}, torch::kInt64);
+  const cudaError_t e = k3mla::timeline_copy(t.data_ptr(), t.numel() * 8);
+  TORCH_CHECK(e == cudaSuccess, "timeline copy: ", cudaGetErrorString(e));
+  return t;
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "k3trt MLA verification, SM90 kernel (+ split merge)");
+#ifdef MLA_TIMELINE
+  m.def("timeline", &timeline, "per-CTA phase stamps of the last pair-kernel launch");
+#endif
 }

@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int k = 0; k < 128; ++k) pin(acc[k]);
 
-  store_rows(p, acc, row_sum, row_max, ssum, 1, row_base, m0, split, wg, r0, quad);
+  store_rows(p, acc, row_sum, row_max, ssum, sbase + kSmemQ, 1, row_base, m0, split, wg, r0, quad);
 }
 
 // LSE merge of the split partials: one CTA per row, blockDim = 128 G threads. Group g of 128

@@ -26,6 +26,38 @@
 #include "sm90_common.cuh"
 
 namespace k3mla {
+
+// Diagnostic build (-DMLA_TIMELINE, mla_cuda.load_extension(timeline=True)): per-CTA phase stamps,
+// read back by timeline_copy. Slots: 0 globaltimer at entry, 1..7 clock64 at entry / barriers ready
+// / Q loaded / first score tile / WG0 loop end / WG1 loop end / epilogue end, 8 globaltimer at exit,
+// 9 SM id. In the production build MLA_STAMP is empty (its value is not even evaluated).
+#ifdef MLA_TIMELINE
+constexpr int kTimelineSlots = 10, kTimelineCtas = 8192;
+static __device__ unsigned long long g_timeline[kTimelineCtas * kTimelineSlots];
+__device__ __forceinline__ unsigned long long clock_now() {
+  unsigned long long v;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(v));
+  return v;
+}
+__device__ __forceinline__ unsigned long long sm_id() {
+  unsigned v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ void stamp(int slot, unsigned long long v) {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta < kTimelineCtas) g_timeline[cta * kTimelineSlots + slot] = v;
+}
+#define MLA_STAMP(cond, slot, value) \
+  do {                               \
+    if (cond) stamp(slot, value);    \
+  } while (0)
+#else
+#define MLA_STAMP(cond, slot, value) \
+  do {                               \
+  } while (0)
+#endif
+
 namespace pair {
 
 constexpr int kSmemQ = 0;                            // Q chunks 0..7
@@ -245,15 +277,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int quad = lane & 3;
   const int r0 = ((t >> 5) << 4) + (lane >> 2);
 
-  const SplitRange sr = split_range(p, blockIdx.z, blockIdx.y);
+  MLA_STAMP(tid == 0, 0, globaltimer());
+  MLA_STAMP(tid == 0, 1, clock_now());
   const int b = blockIdx.z;
   const int m0 = blockIdx.x * 64;
   const long row_base = static_cast<long>(b) * p.rows_per_req + m0;
+  const int seq_len = p.seq_lens[b];
+  // Q chunks 0..7 (-> shared memory below) and the rope chunk 8, which stays in registers as the A
+  // fragment of its four Q·K^T wgmmas (fp8: both as fp16 / 16). With a bf16 cache the loads go out
+  // before this CTA's KV stream: issued after it, they queued behind every CTA's first two blocks
+  // and took 7-9 us at 128 CTAs (mla_breakdown.py --timeline); now ~1.3 us. Split 0 issues them
+  // even before it knows its length (it reads blocks unless the request is empty); the other
+  // splits only once they know they have blocks, since a CTA with none would wait for its loads
+  // before it could exit (at 48 heads, batch 32, 1K context, 288 of 384 CTAs have none). fp8 keeps
+  // the old order: the early loads made ptxas spill more inside its main loop (2% slower at 32K).
+  QTileRegs<8> q_tile;
+  uint32_t q8[16];
+  auto load_q = [&] {
+    q_tile.load(p, row_base, m0, tid);
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(p.q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = r0 + 8 * (i & 1);
+        const int col = 512 + 16 * k + 8 * (i >> 1) + 2 * quad;
+        const uint32_t v = m0 + r < p.rows_per_req ? __ldg(q + ((row_base + r) * kD + col) / 2) : 0u;
+        q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
+      }
+  };
+  if (!kFp8 && blockIdx.y == 0) load_q();
+  const SplitRange sr = split_range_n(p, seq_len, blockIdx.y);
   if (sr.nblk == 0) {
     write_unseen(p, row_base, m0, blockIdx.y, tid);
     return;
   }
   const int nblk = sr.nblk, blo = sr.blo, n = sr.n;
+  if (!kFp8 && blockIdx.y != 0) load_q();
 
   const uint32_t bar0 = sbase + kSmemBar;  // chunk c of stage s: bar0 + 8 * (9 s + c)
   if (tid == 0) {
@@ -262,6 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();
   }
   __syncthreads();
+  MLA_STAMP(tid == 0, 2, clock_now());
 
   const int* bt = p.block_table + static_cast<long>(b) * p.bt_stride + blo;
   auto issue = [&](int blk, int page, int c_lo, int c_hi, bool rope) {
@@ -279,24 +340,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (nblk > 1) issue(1, __ldg(bt + 1), 0, 7, true);
   }
 
-  // Q chunks 0..7 -> shared memory; chunk 8 -> registers in the A-fragment layout (fp8: both as
-  // fp16 / 16)
-  load_q_tile<8, kFp8>(p, sbase + kSmemQ, row_base, m0, tid);
-  uint32_t q8[16];
-  {
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(p.q);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = r0 + 8 * (i & 1);
-        const int col = 512 + 16 * k + 8 * (i >> 1) + 2 * quad;
-        const uint32_t v = m0 + r < p.rows_per_req ? __ldg(q + ((row_base + r) * kD + col) / 2) : 0u;
-        q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
-      }
-  }
+  if (kFp8) load_q();
+  q_tile.store<kFp8>(sbase + kSmemQ, tid);
   fence_proxy_async();
   __syncthreads();
+  MLA_STAMP(tid == 0, 3, clock_now());
 
   int vis[2];
   visible_lengths(p, n, m0, r0, vis);
@@ -324,6 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool has_b = ib < nblk;
       qk_block<0, kFp8>(s, sbase, kv0, bar0, j & 1, q8, p.err, blo + ia, t, wg);
       wgmma_wait<0>();
+      MLA_STAMP(t == 0 && j == 0, 4, clock_now());
 #pragma unroll
       for (int k = 0; k < 32; ++k) pin(s[k]);
       int pg_a = 0, pg_b = 0;  // pages of the next pair (read early, used after the frees)
@@ -386,6 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (t == 0 && ib + 2 < nblk) issue(ib + 2, pg_b, 0, 3, false);
       }
     }
+    MLA_STAMP(t == 0, 5, clock_now());
   } else {
     uint32_t pb[16];
 #pragma unroll 1
@@ -451,12 +501,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int k = 0; k < 128; ++k) pin(acc[k]);
       if (t == 0 && ia + 2 < nblk) issue(ia + 2, pg_a, 4, 7, false);
     }
+    MLA_STAMP(t == 0, 6, clock_now());
   }
 
   // both warpgroups hold O and l relative to the same final row max
-  store_rows(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), kBarSum, row_base,
-             m0, blockIdx.y, wg, r0, quad);
+  store_rows(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), sbase + kSmemQ,
+             kBarSum, row_base, m0, blockIdx.y, wg, r0, quad);
+  MLA_STAMP(tid == 0, 7, clock_now());
+  MLA_STAMP(tid == 0, 8, globaltimer());
+  MLA_STAMP(tid == 0, 9, sm_id());
 }
+
+#ifdef MLA_TIMELINE
+cudaError_t timeline_copy(void* dst, size_t bytes) {
+  return cudaMemcpyFromSymbol(dst, g_timeline, bytes < sizeof(g_timeline) ? bytes : sizeof(g_timeline));
+}
+#endif
 
 cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
                         cudaStream_t stream) {

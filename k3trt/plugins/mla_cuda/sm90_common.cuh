@@ -231,37 +231,52 @@ __device__ __forceinline__ void visible_lengths(const Params& p, int n, int m0, 
   }
 }
 
-// Q rows m0.. of the tile -> shared memory at dst: chunks 0..kChunksQ-1 of 64 columns, each
-// 64 rows x 128 B with the 128-byte swizzle (the wgmma A layout); rows past the request's are
-// zero. Every load is issued before the first store, so the tile costs one memory latency rather
-// than one per piece. kToF16: bf16 -> fp16 scaled by 1/16 (the fp8 path's Q; the kernel folds the
-// 16 back into its softmax scale).
+// Q rows m0.. of the tile, in two steps: load() issues every global load of the tile into registers,
+// store() writes them to shared memory at dst as chunks 0..kChunksQ-1 of 64 columns, each 64 rows x
+// 128 B with the 128-byte swizzle (the wgmma A layout); rows past the request's are zero. Issuing
+// all loads before the first store makes the tile cost one memory latency rather than one per
+// piece, and lets a kernel send them out before its KV stream (which would queue ahead of them).
+// kToF16: bf16 -> fp16 scaled by 1/16 (the fp8 path's Q; the kernel folds the 16 back into its
+// softmax scale).
+template <int kChunksQ>
+struct QTileRegs {
+  static constexpr int kRowPieces = kChunksQ * 8;          // 16-byte pieces per row
+  static constexpr int kPer = 64 * kRowPieces / kThreads;  // per thread
+  static_assert(64 * kRowPieces % kThreads == 0, "Q pieces must split evenly over the threads");
+  uint4 v[kPer];
+
+  __device__ __forceinline__ void load(const Params& p, long row_base, int m0, int tid) {
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int i = tid + kThreads * k;
+      const int r = i / kRowPieces, pc = i % kRowPieces;
+      v[k] = m0 + r < p.rows_per_req
+                 ? __ldg(reinterpret_cast<const uint4*>(q + (row_base + r) * kD + pc * 8))
+                 : make_uint4(0, 0, 0, 0);
+    }
+  }
+  template <bool kToF16>
+  __device__ __forceinline__ void store(uint32_t dst, int tid) const {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int i = tid + kThreads * k;
+      const int r = i / kRowPieces, pc = i % kRowPieces;
+      uint4 w = v[k];
+      if (kToF16)
+        w = make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
+                       bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w));
+      st_shared(dst + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7), w);
+    }
+  }
+};
+
 template <int kChunksQ, bool kToF16>
 __device__ __forceinline__ void load_q_tile(const Params& p, uint32_t dst, long row_base, int m0,
                                             int tid) {
-  constexpr int kRowPieces = kChunksQ * 8;               // 16-byte pieces per row
-  constexpr int kPer = 64 * kRowPieces / kThreads;       // per thread
-  static_assert(64 * kRowPieces % kThreads == 0, "Q pieces must split evenly over the threads");
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
-  uint4 v[kPer];
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int i = tid + kThreads * k;
-    const int r = i / kRowPieces, pc = i % kRowPieces;
-    v[k] = m0 + r < p.rows_per_req
-               ? __ldg(reinterpret_cast<const uint4*>(q + (row_base + r) * kD + pc * 8))
-               : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int i = tid + kThreads * k;
-    const int r = i / kRowPieces, pc = i % kRowPieces;
-    uint4 w = v[k];
-    if (kToF16)
-      w = make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
-                     bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w));
-    st_shared(dst + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7), w);
-  }
+  QTileRegs<kChunksQ> q;
+  q.load(p, row_base, m0, tid);
+  q.template store<kToF16>(dst, tid);
 }
 
 // 16 fp8-e4m3 (two u32 pairs) -> 8 fp16 (one uint4)
@@ -283,13 +298,15 @@ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitR
 struct SplitRange {
   int n, blo, nblk;
 };
-__device__ __forceinline__ SplitRange split_range(const Params& p, int b, int split) {
-  const int n = p.seq_lens[b];
+__device__ __forceinline__ SplitRange split_range_n(const Params& p, int n, int split) {
   const int nblk_all = (n + kPage - 1) / kPage;
   const int active = active_splits(n, p.num_splits, p.rule);
   const int per = (nblk_all + active - 1) / active;
   const int blo = split * per;
   return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
+}
+__device__ __forceinline__ SplitRange split_range(const Params& p, int b, int split) {
+  return split_range_n(p, p.seq_lens[b], split);
 }
 
 // Scale a score tile by `scale` and mask it (token >= visible length -> -inf, which also replaces
@@ -344,11 +361,14 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // (the wgmma m64n256 accumulator layout) and per-thread partial row sums, all relative to the
 // row max `row_max`; total the sums over the quad and both warpgroups (through `ssum`, 128
 // floats, and named barrier bar_id), normalise, and write bf16 O + LSE, or with split-K the fp32
-// partial + its LSE.
+// partial + its LSE. The bf16 tile goes through shared memory at `stage` (64 KB, free once both
+// warpgroups are past their last Q·K^T: the Q tile) so that it leaves in whole 16-byte rows'
+// pieces: written straight from the accumulator layout, a warp's store covered 16 bytes of each of
+// 8 rows, half a sector, and the epilogue took 6-9 us at 48-96 heads (mla_breakdown.py --timeline).
 __device__ __forceinline__ void store_rows(const Params& p, const float* acc, float* row_sum,
-                                           const float* row_max, float* ssum, int bar_id,
-                                           long row_base, int m0, int split, int wg, int r0,
-                                           int quad) {
+                                           const float* row_max, float* ssum, uint32_t stage,
+                                           int bar_id, long row_base, int m0, int split, int wg,
+                                           int r0, int quad) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
@@ -385,11 +405,22 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
       }
     } else {
       if (wg == 0 && quad == 0) p.lse[g] = lse[h];
-      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(p.out) + g * kDV + wg * 256 + 2 * quad;
+      // row r of the tile = 64 pieces of 16 bytes, piece c at (c ^ (r & 7)): conflict-free for the
+      // warp's 8 rows x 4 quads
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-            pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false);
+        st_shared(stage + r * 1024 + (((wg * 32 + j) ^ (r & 7)) << 4) + quad * 4,
+                  pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false));
+    }
+  }
+  if (!split_out) {
+    named_bar(bar_id, kThreads);
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
+    for (int i = threadIdx.x; i < 64 * 64; i += kThreads) {
+      const int r = i >> 6, c = i & 63;
+      if (m0 + r < p.rows_per_req)
+        *reinterpret_cast<uint4*>(out + (row_base + r) * kDV + c * 8) =
+            ld_shared_v4(stage + r * 1024 + ((c ^ (r & 7)) << 4));
     }
   }
 }
