@@ -51,18 +51,22 @@ PHASES = [("setup", 1, 2), ("q_load", 2, 3), ("first_tile", 3, 4), ("wg0_loop", 
 
 def timeline_summary(fn_timeline, ctas: int) -> dict:
     """One launch of the diagnostic build: per-CTA phase times (µs, from clock64 at the SM clock
-    implied by globaltimer), the spread of CTA start and end times, and the kernel span."""
+    implied by globaltimer), the spread of CTA start and end times, and the kernel span, over the
+    CTAs that read blocks."""
     from k3trt.plugins import mla_cuda
+    ext = mla_cuda.load_extension(timeline=True)
+    ext.timeline(ctas)  # reading zeroes the stamps: only this launch's remain
     fn_timeline()
     torch.cuda.synchronize()
-    t = mla_cuda.load_extension(timeline=True).timeline(ctas).double()
+    t = ext.timeline(ctas).double()
+    t = t[t[:, 8] > 0]  # CTAs with no blocks of their own exit before the stamps
     g0, g1 = t[:, 0], t[:, 8]
     ghz = statistics.median(((t[:, 7] - t[:, 1]) / (g1 - g0).clamp(min=1)).tolist())
     q = lambda x: [round(float(torch.quantile(x, p)), 2) for p in (0.5, 0.9, 1.0)]  # noqa: E731
     out = {name: q((t[:, b] - t[:, a]) / ghz / 1e3) for name, a, b in PHASES}
     out.update(start_skew=q((g0 - g0.min()) / 1e3), end_skew=q((g1.max() - g1) / 1e3),
                cta_span=q((g1 - g0) / 1e3), kernel_span=round(float(g1.max() - g0.min()) / 1e3, 2),
-               sm_ghz=round(ghz, 3), sms_used=int(t[:, 9].unique().numel()))
+               sm_ghz=round(ghz, 3), sms_used=int(t[:, 9].unique().numel()), ctas_timed=len(t))
     return out
 
 

@@ -25,7 +25,8 @@ struct LaunchArgs {
 // Launches the verification kernel (+ the split merge); 0 on success, else a message in msg.
 int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len);
 #ifdef MLA_TIMELINE
-// the diagnostic build's per-CTA phase stamps of the last pair-kernel launch (mla_verify_sm90_pair.cu)
+// the diagnostic build's per-CTA phase stamps since the last read, which zeroes them
+// (mla_verify_sm90_pair.cu)
 cudaError_t timeline_copy(void* dst, size_t bytes);
 #endif
 }  // namespace k3mla

@@ -513,8 +513,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 #ifdef MLA_TIMELINE
+// copies the stamps out and zeroes them, so the next read holds only the launches since this one
 cudaError_t timeline_copy(void* dst, size_t bytes) {
-  return cudaMemcpyFromSymbol(dst, g_timeline, bytes < sizeof(g_timeline) ? bytes : sizeof(g_timeline));
+  cudaError_t e = cudaMemcpyFromSymbol(dst, g_timeline, bytes < sizeof(g_timeline) ? bytes : sizeof(g_timeline));
+  void* buf = nullptr;
+  if (e == cudaSuccess) e = cudaGetSymbolAddress(&buf, g_timeline);
+  if (e == cudaSuccess) e = cudaMemset(buf, 0, sizeof(g_timeline));
+  return e;
 }
 #endif
 
