@@ -37,8 +37,6 @@ def test_schedules_table():
     assert sorted(mla_cuda.SCHEDULES.values()) == [0, 1]  # the kernel's LaunchArgs::schedule codes
 
 
-
-
 @pytest.mark.parametrize("batch, heads, splits, expect", [
     (1, 12, 113, 113),   # batch 1: 113 CTAs, one wave: spread as far as the plan goes
     (32, 12, 4, 4),      # 128 CTAs

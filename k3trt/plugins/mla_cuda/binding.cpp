@@ -84,6 +84,6 @@ static torch::Tensor timeline(int64_t ctas) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "k3trt MLA verification, SM90 kernel (+ split merge)");
 #ifdef MLA_TIMELINE
-  m.def("timeline", &timeline, "per-CTA phase stamps of the last pair-kernel launch");
+  m.def("timeline", &timeline, "per-CTA phase stamps of the pair kernel since the last read (which zeroes them)");
 #endif
 }

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b = blockIdx.z;
   const int split = blockIdx.y;
   const int m0 = blockIdx.x * 64;   // first folded row (j*H + h) of this M tile
-  const SplitRange sr = split_range(p, b, split);
+  const SplitRange sr = split_range(p, p.seq_lens[b], split);
   const int n = sr.n, blo = sr.blo, nblk = sr.nblk;
   const long row_base = static_cast<long>(b) * p.rows_per_req + m0;  // global row of local row 0
   if (nblk == 0) {

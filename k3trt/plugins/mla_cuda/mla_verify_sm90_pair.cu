@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   };
   if (!kFp8 && blockIdx.y == 0) load_q();
-  const SplitRange sr = split_range_n(p, seq_len, blockIdx.y);
+  const SplitRange sr = split_range(p, seq_len, blockIdx.y);
   if (sr.nblk == 0) {
     write_unseen(p, row_base, m0, blockIdx.y, tid);
     return;

@@ -293,20 +293,17 @@ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitR
   return nblk >= num_splits * r.full_blocks ? num_splits : spread;
 }
 
-// The blocks [blo, blo + nblk) of request b that split `split` reads (nblk = 0 past its active
-// splits).
+// The blocks [blo, blo + nblk) that split `split` of a request of n tokens reads (nblk = 0 past its
+// active splits).
 struct SplitRange {
   int n, blo, nblk;
 };
-__device__ __forceinline__ SplitRange split_range_n(const Params& p, int n, int split) {
+__device__ __forceinline__ SplitRange split_range(const Params& p, int n, int split) {
   const int nblk_all = (n + kPage - 1) / kPage;
   const int active = active_splits(n, p.num_splits, p.rule);
   const int per = (nblk_all + active - 1) / active;
   const int blo = split * per;
   return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
-}
-__device__ __forceinline__ SplitRange split_range(const Params& p, int b, int split) {
-  return split_range_n(p, p.seq_lens[b], split);
 }
 
 // Scale a score tile by `scale` and mask it (token >= visible length -> -inf, which also replaces
