@@ -1,12 +1,14 @@
-"""A/B of two builds of the SM90 MLA kernel in one run: the sources in --a (a baseline copy, e.g.
-`git show`n from an earlier commit into a folder) against the tree's, each case checked against
-the fp32 reference, both timed interleaved (CUDA-graph replays of 10 calls, round by round, so a
-lent GPU's drift moves both alike), with the copy rate measured in the same run.
+"""A/B of builds of the SM90 MLA kernel in one run: the sources in each --a (a baseline copy, e.g.
+`git show`n from an earlier commit into a folder; repeat --a for several) against the tree's (B),
+each case checked against the fp32 reference, all timed interleaved (CUDA-graph replays of 10
+calls, round by round, so a lent GPU's drift moves them alike), with the copy rate measured in the
+same run.
 
-    PYTHONPATH=. python benchmarks/mla_ab.py --a /tmp/base --cells 12:32:8192,12:128:1024 \
-        [--kv bf16,fp8] [--json out.json]
+    PYTHONPATH=. python benchmarks/mla_ab.py --a /tmp/base [--a name=/tmp/other] \
+        --cells 12:32:8192,12:128:1024 [--kv bf16,fp8] [--json out.json]
 
-Prints µs per call for A and B, B's fraction of the roofline and A/B (> 1: B is faster).
+Prints µs per call for each build, B's fraction of the roofline and each A / B (> 1: B is faster).
+An --a is labelled A, A2, A3, ... unless given as name=folder.
 """
 
 from __future__ import annotations
@@ -26,18 +28,25 @@ Q_ROWS, D_QK, D_V = 4, 576, 512
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--a", required=True, help="folder with the baseline's mla_cuda sources")
+    ap.add_argument("--a", required=True, action="append",
+                    help="[name=]folder with a baseline's mla_cuda sources (repeatable)")
     ap.add_argument("--cells", default="12:32:8192,12:128:1024,12:128:8192,48:32:1024,96:32:8192")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
-    exts = {"A": mla_cuda.load_extension(src_dir=args.a), "B": mla_cuda.load_extension()}
+    exts = {}
+    for i, spec in enumerate(args.a):
+        label, _, folder = spec.rpartition("=")
+        exts[label or ("A" if i == 0 else f"A{i + 1}")] = mla_cuda.load_extension(src_dir=folder)
+    exts["B"] = mla_cuda.load_extension()
+    bases = [k for k in exts if k != "B"]
     ceil = measure()
     print(json.dumps(ceil), flush=True)
-    print(f"{'kv':>5} {'H':>3} {'B':>4} {'ctx':>6} {'A us':>8} {'B us':>8} {'B frac':>7} {'A/B':>6} "
-          f"{'errA':>8} {'errB':>8}")
+    print(f"{'kv':>5} {'H':>3} {'B':>4} {'ctx':>6} "
+          + " ".join(f"{k + ' us':>8}" for k in exts) + f" {'B frac':>7} "
+          + " ".join(f"{k + '/B':>6}" for k in bases) + " errors (max rel.)")
     rows = []
     for kv in args.kv.split(","):
         for cell in args.cells.split(","):
@@ -60,13 +69,17 @@ def main(argv=None) -> int:
             nbytes = batch * ctx * D_QK * inp.cache.element_size()
             flops = 2 * Q_ROWS * heads * batch * ctx * (D_QK + D_V)
             roof = max(nbytes / ceil["copy_gbps"] / 1e3, flops / ceil["gemm_tflops"] / 1e6)
-            row = dict(kv=kv, heads=heads, batch=batch, ctx=ctx, a_us=round(us["A"], 2),
-                       b_us=round(us["B"], 2), b_fraction=round(roof / us["B"], 3),
-                       a_over_b=round(us["A"] / us["B"], 3), err_a=errs["A"], err_b=errs["B"])
+            row = dict(kv=kv, heads=heads, batch=batch, ctx=ctx,
+                       us={k: round(v, 2) for k, v in us.items()},
+                       b_fraction=round(roof / us["B"], 3),
+                       over_b={k: round(us[k] / us["B"], 3) for k in bases}, errors=errs)
             rows.append(row)
-            print(f"{kv:>5} {heads:>3} {batch:>4} {ctx:>6} {us['A']:>8.1f} {us['B']:>8.1f} "
-                  f"{row['b_fraction']:>7.3f} {row['a_over_b']:>6.3f} {str(errs['A'])[:8]:>8} "
-                  f"{str(errs['B'])[:8]:>8}", flush=True)
+            worst = max((e for e in errs.values() if not isinstance(e, str)), default=0.0)
+            bad = [f"{k}: {e}" for k, e in errs.items() if isinstance(e, str)]
+            print(f"{kv:>5} {heads:>3} {batch:>4} {ctx:>6} "
+                  + " ".join(f"{us[k]:>8.1f}" for k in exts) + f" {row['b_fraction']:>7.3f} "
+                  + " ".join(f"{row['over_b'][k]:>6.3f}" for k in bases)
+                  + f" {' '.join(bad) or f'{worst:.1e}'}", flush=True)
             inp = q = calls = None
             torch.cuda.empty_cache()
     if args.json:

@@ -46,7 +46,8 @@ def kernel_us(fn, calls: int = 20) -> dict:
 
 
 PHASES = [("setup", 1, 2), ("q_load", 2, 3), ("first_tile", 3, 4), ("wg0_loop", 4, 5),
-          ("wg1_loop", 3, 6), ("epilogue", 5, 7)]  # clock64 slots (mla_verify_sm90_pair.cu)
+          ("wg1_loop", 3, 6), ("epilogue", 5, 7),  # clock64 slots (mla_verify_sm90_pair.cu)
+          ("epi_sums", 5, 10), ("epi_stage", 10, 11), ("epi_store", 11, 7)]  # parts of the epilogue
 
 
 def timeline_summary(fn_timeline, ctas: int) -> dict:

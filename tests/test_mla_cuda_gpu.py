@@ -79,14 +79,28 @@ def test_split_rule(rule, kv, schedule):
     check(*run(case, 6, seed=len(rule), schedule=schedule, **rule))
 
 
-@pytest.mark.parametrize("splits", [2, 16, 37, 64, 128])
+@pytest.mark.parametrize("splits", [2, 8, 9, 16, 37, 64, 128])
 @pytest.mark.parametrize("lens", [(20000,), (5000, 0, 64, 131)], ids=["one", "mixed"])
 def test_merge_thread_groups(splits, lens):
-    """The merge's 128-thread groups (one per 8 splits, up to 8) split the partials between them and
-    add up through shared memory: every split count from one group to eight, and rows whose later
-    splits saw none of their tokens."""
+    """Both merges: up to 8 splits the few-splits kernel (every load at once), from 9 the grouped one
+    (a 128-thread group per 8 splits, up to 8 groups, adding up through shared memory); every group
+    count, and rows whose later splits saw none of their tokens."""
     check(*run(_case(lens, 12, None), splits, seed=splits, schedule="pair", min_split_blocks=1,
                full_split_blocks=1, max_spread=splits))
+
+
+@pytest.mark.parametrize("splits", [4, 12])
+@pytest.mark.parametrize("schedule", ["shared", "pair"])
+def test_one_split_requests_beside_merged_ones(splits, schedule):
+    """Short requests stay on one split, whose CTA writes their bf16 rows while the merge skips them;
+    the long ones beside them spread over all splits and are merged (the few-splits merge at 4, the
+    grouped one at 12, whose grid is three waves of CTAs), each over as many splits as its length
+    gives. NaN scratch and NaN outputs: a row written by neither, or from an unwritten partial,
+    shows."""
+    g = torch.Generator().manual_seed(splits)
+    lens = [int(x) for x in torch.randint(2000, 6000, (30,), generator=g)] + [40, 100]
+    case = _case(tuple(lens), 12, None)
+    check(*run(case, splits, seed=splits, schedule=schedule, min_split_blocks=4, max_spread=splits))
 
 
 @pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])

@@ -72,9 +72,9 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
 }
 
 #ifdef MLA_TIMELINE
-// the diagnostic build's stamps: uint64 [ctas, 10] (slots in mla_verify_sm90_pair.cu)
+// the diagnostic build's stamps: uint64 [ctas, 12] (slots in mla_verify_sm90_pair.cu)
 static torch::Tensor timeline(int64_t ctas) {
-  auto t = torch::zeros({ctas, 10}, torch::kInt64);
+  auto t = torch::zeros({ctas, 12}, torch::kInt64);
   const cudaError_t e = k3mla::timeline_copy(t.data_ptr(), t.numel() * 8);
   TORCH_CHECK(e == cudaSuccess, "timeline copy: ", cudaGetErrorString(e));
   return t;

@@ -30,9 +30,9 @@ namespace k3mla {
 // Diagnostic build (-DMLA_TIMELINE, mla_cuda.load_extension(timeline=True)): per-CTA phase stamps,
 // read back by timeline_copy. Slots: 0 globaltimer at entry, 1..7 clock64 at entry / barriers ready
 // / Q loaded / first score tile / WG0 loop end / WG1 loop end / epilogue end, 8 globaltimer at exit,
-// 9 SM id. In the production build MLA_STAMP is empty (its value is not even evaluated).
+// 9 SM id, 10..11 clock64 inside the epilogue (store_rows: row sums exchanged / tile staged or partial stored). In the production build MLA_STAMP is empty (its value is not even evaluated).
 #ifdef MLA_TIMELINE
-constexpr int kTimelineSlots = 10, kTimelineCtas = 8192;
+constexpr int kTimelineSlots = 12, kTimelineCtas = 8192;
 static __device__ unsigned long long g_timeline[kTimelineCtas * kTimelineSlots];
 __device__ __forceinline__ unsigned long long clock_now() {
   unsigned long long v;
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!kFp8 && blockIdx.y == 0) load_q();
   const SplitRange sr = split_range(p, seq_len, blockIdx.y);
   if (sr.nblk == 0) {
-    write_unseen(p, row_base, m0, blockIdx.y, tid);
+    write_unseen(p, row_base, m0, blockIdx.y, sr.split_out(), tid);
     return;
   }
   const int nblk = sr.nblk, blo = sr.blo, n = sr.n;
@@ -506,7 +506,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // both warpgroups hold O and l relative to the same final row max
   store_rows(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), sbase + kSmemQ,
-             kBarSum, row_base, m0, blockIdx.y, wg, r0, quad);
+             kBarSum, row_base, m0, blockIdx.y, sr.split_out(), wg, r0, quad,
+             [&](int step) { MLA_STAMP(tid == 0, 10 + step, clock_now()); });
   MLA_STAMP(tid == 0, 7, clock_now());
   MLA_STAMP(tid == 0, 8, globaltimer());
   MLA_STAMP(tid == 0, 9, sm_id());

@@ -42,8 +42,8 @@ struct Params {
   const void* q;          // [B*Q, H, 576] bf16
   const int* block_table; // [B, bt_stride] int32
   const int* seq_lens;    // [B] int32
-  void* out;              // [B*Q, H, 512] bf16 (num_splits == 1)
-  float* lse;             // [B*Q*H] fp32     (num_splits == 1)
+  void* out;              // [B*Q, H, 512] bf16 (requests on one split)
+  float* lse;             // [B*Q*H] fp32     (requests on one split)
   float* part_o;          // [B*Q*H, splits, 512] fp32 (num_splits > 1)
   float* part_lse;        // [B*Q*H, splits] fp32      (num_splits > 1)
   int* err;               // [4] int32: timeout code, block, chunk, parity of the first timeout
@@ -112,12 +112,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* er
   if (!mbar_try_wait(bar, parity)) mbar_wait_slow(bar, parity, err, code, a, b);
 }
 
+// The KV stream is read once per call at 12 heads: evict-first keeps it from pushing the small,
+// reused data (block table, lengths, Q, split partials) out of L2: 2-5% at batch 32 (8K, 2K, 1K),
+// 1-3% at batch 128 / 1K. It costs 0.5-1.5% at 48 / 96 heads, batch 128, 1K, whose M tiles read
+// the same pages in different waves; picking the policy at run time was slower everywhere (the
+// branch at each issue), so all cells take evict-first (mla_ab_h200.json runs 7, 9, 10).
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
                                             uint32_t bar) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "l"(policy)
       : "memory");
 }
 
@@ -294,16 +301,20 @@ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitR
 }
 
 // The blocks [blo, blo + nblk) that split `split` of a request of n tokens reads (nblk = 0 past its
-// active splits).
+// active splits). A request on one split (active == 1) needs no merge: that CTA writes the bf16
+// output itself and the merge kernel skips the request's rows (at 48 heads, batch 32, 1K context
+// every request is on one of the plan's four splits, and the fp32 partials and the merge took 10
+// of 53 us).
 struct SplitRange {
-  int n, blo, nblk;
+  int n, blo, nblk, active;
+  __device__ __forceinline__ bool split_out() const { return active > 1; }
 };
 __device__ __forceinline__ SplitRange split_range(const Params& p, int n, int split) {
   const int nblk_all = (n + kPage - 1) / kPage;
   const int active = active_splits(n, p.num_splits, p.rule);
   const int per = (nblk_all + active - 1) / active;
   const int blo = split * per;
-  return {n, blo, max(min(blo + per, nblk_all) - blo, 0)};
+  return {n, blo, max(min(blo + per, nblk_all) - blo, 0), active};
 }
 
 // Scale a score tile by `scale` and mask it (token >= visible length -> -inf, which also replaces
@@ -333,10 +344,10 @@ __device__ __forceinline__ void mask_rowmax(float* s, int tok0, const int* vis, 
   }
 }
 
-// A CTA with nothing to read: lse = -inf (and out = 0 without split-K).
+// A CTA with nothing to read: lse = -inf (and out = 0 where its request needs no merge).
 __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int m0, int split,
-                                             int tid) {
-  const bool split_out = p.num_splits > 1;
+                                             bool split_out, int tid) {
+  if (!split_out && split != 0) return;  // split 0 writes the request's rows
   for (int r = tid; r < 64; r += kThreads) {
     if (m0 + r < p.rows_per_req) {
       if (split_out) p.part_lse[(row_base + r) * p.num_splits + split] = -INFINITY;
@@ -362,10 +373,13 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // warpgroups are past their last Q·K^T: the Q tile) so that it leaves in whole 16-byte rows'
 // pieces: written straight from the accumulator layout, a warp's store covered 16 bytes of each of
 // 8 rows, half a sector, and the epilogue took 6-9 us at 48-96 heads (mla_breakdown.py --timeline).
+// `mark(i)` runs at its steps (i = 0: the row sums exchanged, 1: the bf16 tile staged or the fp32
+// partial stored); the timeline build stamps them, the production build passes a no-op.
+template <typename Mark>
 __device__ __forceinline__ void store_rows(const Params& p, const float* acc, float* row_sum,
                                            const float* row_max, float* ssum, uint32_t stage,
-                                           int bar_id, long row_base, int m0, int split, int wg,
-                                           int r0, int quad) {
+                                           int bar_id, long row_base, int m0, int split,
+                                           bool split_out, int wg, int r0, int quad, Mark mark) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
@@ -376,6 +390,7 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
     ssum[wg * 64 + r0 + 8] = row_sum[1];
   }
   named_bar(bar_id, kThreads);
+  mark(0);
   float inv[2], lse[2];
   bool seen[2];
 #pragma unroll
@@ -385,7 +400,6 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
     inv[h] = seen[h] ? p.out_scale / l : 0.f;
     lse[h] = seen[h] ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
   }
-  const bool split_out = p.num_splits > 1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
@@ -410,6 +424,7 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
                   pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false));
     }
   }
+  mark(1);
   if (!split_out) {
     named_bar(bar_id, kThreads);
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
