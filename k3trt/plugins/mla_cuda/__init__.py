@@ -123,15 +123,18 @@ def _err_buffer(index: int) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, device=f"cuda:{index}")
 
 
+def _tiles(batch: int, q_per_req: int, heads: int) -> int:
+    """CTAs per split: the batch's 64-row M tiles of folded Q·H rows."""
+    return batch * -(-q_per_req * heads // 64)
+
+
 def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0) -> int:
-    m_tiles = -(-q_per_req * heads // 64)
-    return choose_splits(max(1, batch * m_tiles), _num_sms(device_index))
+    return choose_splits(max(1, _tiles(batch, q_per_req, heads)), _num_sms(device_index))
 
 
 def wave_splits(batch: int, q_per_req: int, heads: int, splits: int, num_sms: int) -> int:
     """The most splits (<= splits) whose grid is one wave of CTAs (one CTA per SM)."""
-    m_tiles = -(-q_per_req * heads // 64)
-    return max(1, min(splits, num_sms // max(1, batch * m_tiles)))
+    return max(1, min(splits, num_sms // max(1, _tiles(batch, q_per_req, heads))))
 
 
 def kernel_error(device=None) -> dict | None:
