@@ -84,7 +84,8 @@ def test_split_rule(rule, kv, schedule):
 def test_merge_thread_groups(splits, lens):
     """Both merges: up to 8 splits the few-splits kernel (every load at once), from 9 the grouped one
     (a 128-thread group per 8 splits, up to 8 groups, adding up through shared memory); every group
-    count, and rows whose later splits saw none of their tokens."""
+    count, rows whose later splits saw none of their tokens, and in the grouped kernel the rows of a
+    request spread over only 3 splits (131 tokens), which one group merges with every load at once."""
     check(*run(_case(lens, 12, None), splits, seed=splits, schedule="pair", min_split_blocks=1,
                full_split_blocks=1, max_spread=splits))
 

@@ -269,6 +269,69 @@ __global__ void __launch_bounds__(kThreads, 1)
              sr.split_out(), wg, r0, quad, [](int) {});
 }
 
+// LSE merge of a row over at most kFewSplits splits, by 128 threads of 4 columns each, from its
+// splits' LSE (l; only the first `active` are read): every partial it needs is loaded at once,
+// where the grouped merge's loop waits on memory three times in a row (length, LSE through shared
+// memory, partials): 1.7-5% of the whole call at batch 32 (mla_ab_h200.json run 4), 10% at batch 1,
+// 1K, where a request spreads over 8 of the plan's 113 splits (run 11).
+constexpr int kFewSplits = 8;
+__device__ __forceinline__ void merge_row_few(const float* __restrict__ part_o, const float* l,
+                                              long row, int splits, int active, int col,
+                                              __nv_bfloat16* __restrict__ out,
+                                              float* __restrict__ lse) {
+  float4 o[kFewSplits];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s) {
+    // a split that saw none of this row's tokens (lse -inf) wrote no O: never load it
+    if (s < active && l[s] != -INFINITY) {
+      o[s] = *reinterpret_cast<const float4*>(part_o + (row * splits + s) * kDV + col);
+      mx = fmaxf(mx, l[s]);
+    }
+  }
+  if (mx == -INFINITY) {
+    *reinterpret_cast<uint2*>(out + row * kDV + col) = make_uint2(0, 0);
+    if (col == 0) lse[row] = -INFINITY;
+    return;
+  }
+  float total = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s) {
+    if (s < active && l[s] != -INFINITY) {
+      const float w = __expf(l[s] - mx);
+      total += w;
+      acc.x += w * o[s].x;
+      acc.y += w * o[s].y;
+      acc.z += w * o[s].z;
+      acc.w += w * o[s].w;
+    }
+  }
+  const float inv = 1.f / total;
+  __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(out + row * kDV + col) =
+      make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&c));
+  if (col == 0) lse[row] = mx + __logf(total);
+}
+
+// The merge of plans of at most kFewSplits splits (batch >= ~32): one CTA of 128 threads per row,
+// the request's length and the splits' LSE loaded at once.
+__global__ void __launch_bounds__(128)
+    mla_merge_few_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                                const int* __restrict__ seq_lens, int rows_per_req, int splits,
+                                SplitRule rule, __nv_bfloat16* __restrict__ out,
+                                float* __restrict__ lse) {
+  const long row = blockIdx.x;
+  const int n = seq_lens[row / rows_per_req];
+  float l[kFewSplits];
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s) l[s] = s < splits ? part_lse[row * splits + s] : -INFINITY;
+  const int active = active_splits(n, splits, rule);
+  if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
+  merge_row_few(part_o, l, row, splits, active, threadIdx.x * 4, out, lse);
+}
+
 // LSE merge of the split partials: one CTA per row, blockDim = 128 G threads. Group g of 128
 // threads sums splits g, g + G, ... over 4 columns per thread, then the groups add up through shared
 // memory: a row of a long batch-1 request has ~100 partials, and one thread walking them all would
@@ -292,6 +355,15 @@ __global__ void __launch_bounds__(1024)
   const int tid = threadIdx.x, groups = blockDim.x >> 7, g = tid >> 7, col = (tid & 127) * 4;
   const int active = active_splits(seq_lens[row / rows_per_req], splits, rule);
   if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
+  if (active <= kFewSplits) {  // a short request of a large plan: one group does it all at once
+    if (g > 0) return;
+    float lf[kFewSplits];
+#pragma unroll
+    for (int s = 0; s < kFewSplits; ++s)
+      lf[s] = s < active ? part_lse[row * splits + s] : -INFINITY;
+    merge_row_few(part_o, lf, row, splits, active, col, out, lse);
+    return;
+  }
   const float* l = part_lse + row * splits;
   float mx = -INFINITY;
   for (int s = tid; s < active; s += blockDim.x) {
@@ -341,61 +413,6 @@ __global__ void __launch_bounds__(1024)
   *reinterpret_cast<uint2*>(out + row * kDV + col) =
       make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&c));
   if (tid == 0) lse[row] = mx + __logf(total);
-}
-
-// LSE merge for plans of at most kFewSplits splits (the batch-32 cells): one CTA of 128 threads
-// per row, each thread owning 4 columns of it, loads the request's length and every split's LSE at
-// once, then every partial it needs at once, where the general kernel above waits on memory three
-// times in a row (length, LSE through shared memory, partials): 1.7-5% of the whole call at batch
-// 32 (mla_ab_h200.json run 4).
-constexpr int kFewSplits = 8;
-__global__ void __launch_bounds__(128)
-    mla_merge_few_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                                const int* __restrict__ seq_lens, int rows_per_req, int splits,
-                                SplitRule rule, __nv_bfloat16* __restrict__ out,
-                                float* __restrict__ lse) {
-  const long row = blockIdx.x;
-  const int col = threadIdx.x * 4;
-  const int n = seq_lens[row / rows_per_req];
-  float l[kFewSplits];
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) l[s] = s < splits ? part_lse[row * splits + s] : -INFINITY;
-  const int active = active_splits(n, splits, rule);
-  if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
-  float4 o[kFewSplits];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) {
-    // a split that saw none of this row's tokens (lse -inf) wrote no O: never load it
-    if (s < active && l[s] != -INFINITY) {
-      o[s] = *reinterpret_cast<const float4*>(part_o + (row * splits + s) * kDV + col);
-      mx = fmaxf(mx, l[s]);
-    }
-  }
-  if (mx == -INFINITY) {
-    *reinterpret_cast<uint2*>(out + row * kDV + col) = make_uint2(0, 0);
-    if (threadIdx.x == 0) lse[row] = -INFINITY;
-    return;
-  }
-  float total = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) {
-    if (s < active && l[s] != -INFINITY) {
-      const float w = __expf(l[s] - mx);
-      total += w;
-      acc.x += w * o[s].x;
-      acc.y += w * o[s].y;
-      acc.z += w * o[s].z;
-      acc.w += w * o[s].w;
-    }
-  }
-  const float inv = 1.f / total;
-  __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  *reinterpret_cast<uint2*>(out + row * kDV + col) =
-      make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&c));
-  if (threadIdx.x == 0) lse[row] = mx + __logf(total);
 }
 
 // Threads per merge row: a group of 128 per 8 splits, up to 8 groups.
