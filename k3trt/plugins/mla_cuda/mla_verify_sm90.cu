@@ -275,7 +275,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 // memory, partials): 1.7-5% of the whole call at batch 32 (mla_ab_h200.json run 4), 10% at batch 1,
 // 1K, where a request spreads over 8 of the plan's 113 splits (run 11).
 constexpr int kFewSplits = 8;
-__device__ __forceinline__ void merge_row_few(const float* __restrict__ part_o, const float* l,
+// four bf16 partial values (8 bytes) as floats
+__device__ __forceinline__ float4 load_partial4(const __nv_bfloat16* p) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ void merge_row_few(const __nv_bfloat16* __restrict__ part_o, const float* l,
                                               long row, int splits, int active, int col,
                                               __nv_bfloat16* __restrict__ out,
                                               float* __restrict__ lse) {
@@ -285,7 +293,7 @@ __device__ __forceinline__ void merge_row_few(const float* __restrict__ part_o, 
   for (int s = 0; s < kFewSplits; ++s) {
     // a split that saw none of this row's tokens (lse -inf) wrote no O: never load it
     if (s < active && l[s] != -INFINITY) {
-      o[s] = *reinterpret_cast<const float4*>(part_o + (row * splits + s) * kDV + col);
+      o[s] = load_partial4(part_o + (row * splits + s) * kDV + col);
       mx = fmaxf(mx, l[s]);
     }
   }
@@ -318,7 +326,8 @@ __device__ __forceinline__ void merge_row_few(const float* __restrict__ part_o, 
 // The merge of plans of at most kFewSplits splits (batch >= ~32): one CTA of 128 threads per row,
 // the request's length and the splits' LSE loaded at once.
 __global__ void __launch_bounds__(128)
-    mla_merge_few_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    mla_merge_few_splits_kernel(const __nv_bfloat16* __restrict__ part_o,
+                                const float* __restrict__ part_lse,
                                 const int* __restrict__ seq_lens, int rows_per_req, int splits,
                                 SplitRule rule, __nv_bfloat16* __restrict__ out,
                                 float* __restrict__ lse) {
@@ -345,7 +354,8 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 }
 
 __global__ void __launch_bounds__(1024)
-    mla_merge_splits_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    mla_merge_splits_kernel(const __nv_bfloat16* __restrict__ part_o,
+                            const float* __restrict__ part_lse,
                             const int* __restrict__ seq_lens, int rows_per_req, int splits,
                             SplitRule rule, __nv_bfloat16* __restrict__ out,
                             float* __restrict__ lse) {
@@ -384,7 +394,7 @@ __global__ void __launch_bounds__(1024)
     if (ls == -INFINITY) continue;  // a split that saw none of this row's tokens wrote no O
     const float w = __expf(ls - mx);
     total += w;
-    const float4 o = *reinterpret_cast<const float4*>(part_o + (row * splits + s) * kDV + col);
+    const float4 o = load_partial4(part_o + (row * splits + s) * kDV + col);
     acc.x += w * o.x;
     acc.y += w * o.y;
     acc.z += w * o.z;
@@ -480,7 +490,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   p.seq_lens = a.seq_lens;
   p.out = a.out;
   p.lse = a.lse;
-  p.part_o = a.part_o;
+  p.part_o = static_cast<__nv_bfloat16*>(a.part_o);
   p.part_lse = a.part_lse;
   p.err = a.err;
   p.bt_stride = a.bt_stride;
@@ -518,7 +528,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   }
   if (a.num_splits > 1) {
     const unsigned rows = static_cast<unsigned>(static_cast<long>(a.batch) * p.rows_per_req);
-    const float* po = a.part_o;
+    const __nv_bfloat16* po = p.part_o;
     const float* pl = a.part_lse;
     __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(a.out);
     if (a.num_splits <= kFewSplits)

@@ -44,7 +44,7 @@ struct Params {
   const int* seq_lens;    // [B] int32
   void* out;              // [B*Q, H, 512] bf16 (requests on one split)
   float* lse;             // [B*Q*H] fp32     (requests on one split)
-  float* part_o;          // [B*Q*H, splits, 512] fp32 (num_splits > 1)
+  __nv_bfloat16* part_o;  // [B*Q*H, splits, 512] bf16 (num_splits > 1)
   float* part_lse;        // [B*Q*H, splits] fp32      (num_splits > 1)
   int* err;               // [4] int32: timeout code, block, chunk, parity of the first timeout
   int bt_stride;
@@ -368,13 +368,15 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // Epilogue shared by the kernels: warpgroup wg holds columns 256wg.. of its rows r0, r0+8 in acc
 // (the wgmma m64n256 accumulator layout) and per-thread partial row sums, all relative to the
 // row max `row_max`; total the sums over the quad and both warpgroups (through `ssum`, 128
-// floats, and named barrier bar_id), normalise, and write bf16 O + LSE, or with split-K the fp32
-// partial + its LSE. The bf16 tile goes through shared memory at `stage` (64 KB, free once both
-// warpgroups are past their last Q·K^T: the Q tile) so that it leaves in whole 16-byte rows'
-// pieces: written straight from the accumulator layout, a warp's store covered 16 bytes of each of
-// 8 rows, half a sector, and the epilogue took 6-9 us at 48-96 heads (mla_breakdown.py --timeline).
-// `mark(i)` runs at its steps (i = 0: the row sums exchanged, 1: the bf16 tile staged or the fp32
-// partial stored); the timeline build stamps them, the production build passes a no-op.
+// floats, and named barrier bar_id), normalise, and write the bf16 rows + LSE: the output, or with
+// split-K the split's partial (bf16 O normalised by its own sum; fp32 LSE). The tile goes through
+// shared memory at `stage` (64 KB, free once both warpgroups are past their last Q·K^T: the Q
+// tile) so that it leaves in whole 16-byte rows' pieces: written straight from the accumulator
+// layout, a warp's store covered 16 bytes of each of 8 rows, half a sector, and the epilogue took
+// 6-9 us at 48-96 heads (mla_breakdown.py --timeline). Partials in bf16 halve the bytes written and
+// read back by the merge (up to 113 partials a row at batch 1); they add one bf16 rounding to the
+// result, which is bf16 anyway. `mark(i)` runs at its steps (i = 0: the row sums exchanged, 1: the
+// tile staged); the timeline build stamps them, the production build passes a no-op.
 template <typename Mark>
 __device__ __forceinline__ void store_rows(const Params& p, const float* acc, float* row_sum,
                                            const float* row_max, float* ssum, uint32_t stage,
@@ -391,49 +393,37 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
   }
   named_bar(bar_id, kThreads);
   mark(0);
-  float inv[2], lse[2];
-  bool seen[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = ssum[r0 + 8 * h] + ssum[64 + r0 + 8 * h];
-    seen[h] = l > 0.f;
-    inv[h] = seen[h] ? p.out_scale / l : 0.f;
-    lse[h] = seen[h] ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
     if (m0 + r >= p.rows_per_req) continue;
-    const long g = row_base + r;
-    if (split_out) {
-      if (wg == 0 && quad == 0) p.part_lse[g * p.num_splits + split] = lse[h];
-      if (seen[h]) {  // an unseen partial is never read back (its lse is -inf)
-        float* dst = p.part_o + (g * p.num_splits + split) * kDV + wg * 256 + 2 * quad;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<float2*>(dst + 8 * j) =
-              make_float2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h]);
-      }
-    } else {
-      if (wg == 0 && quad == 0) p.lse[g] = lse[h];
-      // row r of the tile = 64 pieces of 16 bytes, piece c at (c ^ (r & 7)): conflict-free for the
-      // warp's 8 rows x 4 quads
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        st_shared(stage + r * 1024 + (((wg * 32 + j) ^ (r & 7)) << 4) + quad * 4,
-                  pack2(acc[4 * j + 2 * h] * inv[h], acc[4 * j + 2 * h + 1] * inv[h], false));
+    const float l = ssum[r] + ssum[64 + r];
+    // a row that saw no token: lse -inf and zeros (a merge never reads such a partial)
+    const float inv = l > 0.f ? p.out_scale / l : 0.f;
+    if (wg == 0 && quad == 0) {
+      const float lse = l > 0.f ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+      const long g = row_base + r;
+      if (split_out) p.part_lse[g * p.num_splits + split] = lse;
+      else p.lse[g] = lse;
     }
+    // row r of the tile = 64 pieces of 16 bytes, piece c at (c ^ (r & 7)): conflict-free for the
+    // warp's 8 rows x 4 quads
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      st_shared(stage + r * 1024 + (((wg * 32 + j) ^ (r & 7)) << 4) + quad * 4,
+                pack2(acc[4 * j + 2 * h] * inv, acc[4 * j + 2 * h + 1] * inv, false));
   }
   mark(1);
-  if (!split_out) {
-    named_bar(bar_id, kThreads);
-    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
-    for (int i = threadIdx.x; i < 64 * 64; i += kThreads) {
-      const int r = i >> 6, c = i & 63;
-      if (m0 + r < p.rows_per_req)
-        *reinterpret_cast<uint4*>(out + (row_base + r) * kDV + c * 8) =
-            ld_shared_v4(stage + r * 1024 + ((c ^ (r & 7)) << 4));
-    }
+  named_bar(bar_id, kThreads);
+  // row g of the output, or its split's slot of the partials
+  __nv_bfloat16* dst = split_out ? p.part_o + static_cast<long>(split) * kDV
+                                 : reinterpret_cast<__nv_bfloat16*>(p.out);
+  const long stride = split_out ? static_cast<long>(p.num_splits) * kDV : kDV;
+  for (int i = threadIdx.x; i < 64 * 64; i += kThreads) {
+    const int r = i >> 6, c = i & 63;
+    if (m0 + r < p.rows_per_req)
+      *reinterpret_cast<uint4*>(dst + (row_base + r) * stride + c * 8) =
+          ld_shared_v4(stage + r * 1024 + ((c ^ (r & 7)) << 4));
   }
 }
 
