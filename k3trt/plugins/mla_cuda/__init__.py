@@ -55,9 +55,10 @@ PAGE, D_QK, D_V = 64, 576, 512
 # How a request spreads over the plan's splits (SplitRule in sm90_common.cuh): over all of them
 # from FULL_SPLIT_BLOCKS pages per split; shorter, over at most as many as keep the grid in one wave
 # of CTAs (wave_splits), with at least MIN_SPLIT_BLOCKS pages (one pair) each. Extra waves pay for
-# themselves only on long requests: each extra CTA writes 128 KB of fp32 partials that the merge
-# reads back, so at 48 heads, batch 32 and 1K context four splits took 75 us and one 51 us, and at
-# batch 1 the request is spread as far as it goes (mla_cuda_h200.json runs 9-10).
+# themselves only on long requests: each extra CTA writes 64 KB of partials (128 KB when they were
+# fp32 and these figures were taken) that the merge reads back, so at 48 heads, batch 32 and 1K
+# context four splits took 75 us and one 51 us, and at batch 1 the request is spread as far as it
+# goes (mla_cuda_h200.json runs 9-10).
 MIN_SPLIT_BLOCKS, FULL_SPLIT_BLOCKS = 2, 16
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu")

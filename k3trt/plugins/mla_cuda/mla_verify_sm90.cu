@@ -23,8 +23,8 @@
 //      shared P tile, rescale the own 64x256 fp32 accumulator (128 registers per thread).
 //   4. named barrier, then O_w += P[64x64] · V[64 tokens, columns 256w..256w+255]: 4 wgmma
 //      m64n256k16 (B N-major from the same swizzled chunks), left in flight until step 1.
-// The epilogue writes O (bf16) and LSE, or with split-K fp32 partials + LSE per split that a merge
-// kernel combines (the scratch layout of mla_triton: [rows, splits, d_v]). A request that the split
+// The epilogue writes O (bf16) and LSE, or with split-K a bf16 partial + fp32 LSE per split that a
+// merge kernel combines (mla_triton's scratch layout, [rows, splits, d_v], in bf16). A request that the split
 // rule keeps on one split (active_splits == 1: short ones) gets its bf16 O and LSE from that CTA,
 // and the merge skips its rows.
 //

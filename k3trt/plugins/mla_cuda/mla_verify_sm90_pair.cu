@@ -30,8 +30,8 @@ namespace k3mla {
 // Diagnostic build (-DMLA_TIMELINE, mla_cuda.load_extension(timeline=True)): per-CTA phase stamps,
 // read back by timeline_copy. Slots: 0 globaltimer at entry, 1..7 clock64 at entry / barriers ready
 // / Q loaded / first score tile / WG0 loop end / WG1 loop end / epilogue end, 8 globaltimer at exit,
-// 9 SM id, 10..11 clock64 inside the epilogue (store_rows: row sums exchanged / tile staged or
-// partial stored). In the production build MLA_STAMP is empty (its value is not even evaluated).
+// 9 SM id, 10..11 clock64 inside the epilogue (store_rows: row sums exchanged / tile staged, output
+// or partial). In the production build MLA_STAMP is empty (its value is not even evaluated).
 #ifdef MLA_TIMELINE
 constexpr int kTimelineSlots = 12, kTimelineCtas = 8192;
 static __device__ unsigned long long g_timeline[kTimelineCtas * kTimelineSlots];

@@ -29,7 +29,7 @@ constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
 constexpr int kThreads = 256;
 
 // How a request spreads over the grid's splits (active_splits): all num_splits when it has at least
-// full_blocks pages per split (the extra waves of CTAs and their fp32 partials are then paid for);
+// full_blocks pages per split (the extra waves of CTAs and their partials are then paid for);
 // else min_blocks pages per split at least, over at most wave_splits splits (the most that keep the
 // grid in one wave of CTAs).
 struct SplitRule {
