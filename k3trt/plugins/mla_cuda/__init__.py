@@ -9,9 +9,10 @@ policy, for the case the kernels are built for: q bf16 [B·Q, H, 576], d_v = 512
 paged cache [pages, 64, 576] in bf16 or float8_e4m3fn (value = fp8 · kv_scale), int32 block table
 and lengths. Any head count works (the Q·H folded rows are cut into 64-row tiles, one CTA each per
 split). ``num_splits`` None picks the split-K count that fills the GPU's SMs (plans.choose_splits,
-one CTA per SM); splits > 1 write bf16 partials to scratch ([rows, splits, 512], each split's O
-normalised by its own sum, with an fp32 LSE; half the bytes of mla_triton's fp32, one more bf16
-rounding) and a merge kernel combines them by LSE. A request shorter than splits · full_split_blocks pages
+one CTA per SM); splits > 1 write 16-bit partials to scratch ([rows, splits, 512], each split's O
+normalised by its own sum, with an fp32 LSE; half the bytes of mla_triton's fp32, one more
+rounding: bf16 for a bf16 cache, fp16 in the cache's units for an fp8 one) and a merge kernel
+combines them by LSE. A request shorter than splits · full_split_blocks pages
 spreads over fewer splits: at most ``max_spread`` (None: as many as keep the grid in one wave of
 CTAs), with at least min_split_blocks pages each (the rule and why: MIN_SPLIT_BLOCKS). The grid
 stays as planned, so a captured graph replays at any length. A request on one split needs no merge:
@@ -185,8 +186,11 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
         return out, lse
     mod = ext or load_extension()
     part_o = part_lse = lse  # unused without splits
-    if num_splits > 1:  # (builds before bf16 partials have no partial_dtype: fp32)
-        part_dtype = getattr(torch, getattr(mod, "partial_dtype", "float32"))
+    if num_splits > 1:  # (builds before 16-bit partials have no partial_dtype: fp32)
+        name = getattr(mod, "partial_dtype", "float32")
+        if kv_cache.dtype == FP8:
+            name = getattr(mod, "partial_dtype_fp8", name)
+        part_dtype = getattr(torch, name)
         part_o, part_lse = split_scratch(rows, num_splits, D_V, q.device, poison_scratch, part_dtype)
     mod.forward(q, kv_cache, block_table, seq_lens, int(q_per_req), float(softmax_scale),
                 float(kv_scale), num_splits, int(max_spread), int(min_split_blocks),

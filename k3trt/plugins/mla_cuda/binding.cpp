@@ -36,8 +36,9 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   const int batch = static_cast<int>(block_table.size(0));
   TORCH_CHECK(q.size(0) == batch * q_per_req, "q rows != batch * q_per_req");
   if (num_splits > 1) {
-    TORCH_CHECK(part_o.scalar_type() == torch::kBFloat16 && part_lse.scalar_type() == torch::kFloat32,
-                "split scratch must be bf16 (O) and fp32 (lse)");
+    TORCH_CHECK(part_o.scalar_type() == (fp8 ? torch::kHalf : torch::kBFloat16) &&
+                    part_lse.scalar_type() == torch::kFloat32,
+                "split scratch must be bf16 (fp16 with an fp8 cache) for O and fp32 for lse");
     TORCH_CHECK(part_o.numel() >= q.size(0) * q.size(1) * num_splits * 512 &&
                     part_lse.numel() >= q.size(0) * q.size(1) * num_splits,
                 "split scratch too small");
@@ -82,9 +83,10 @@ static torch::Tensor timeline(int64_t ctas) {
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the split partials' dtype this build takes (earlier builds, which benchmarks/mla_ab.py runs as
-  // baselines, took fp32 and have no such attribute)
+  // the split partials' dtype this build takes, by cache dtype (earlier builds, which
+  // benchmarks/mla_ab.py runs as baselines, took fp32 and have no such attributes)
   m.attr("partial_dtype") = "bfloat16";
+  m.attr("partial_dtype_fp8") = "float16";
   m.def("forward", &forward, "k3trt MLA verification, SM90 kernel (+ split merge)");
 #ifdef MLA_TIMELINE
   m.def("timeline", &timeline, "per-CTA phase stamps of the pair kernel since the last read (which zeroes them)");

@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int k = 0; k < 128; ++k) pin(acc[k]);
 
-  store_rows(p, acc, row_sum, row_max, ssum, sbase + kSmemQ, 1, row_base, m0, split,
+  store_rows<kFp8>(p, acc, row_sum, row_max, ssum, sbase + kSmemQ, 1, row_base, m0, split,
              sr.split_out(), wg, r0, quad, [](int) {});
 }
 
@@ -275,17 +275,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 // memory, partials): 1.7-5% of the whole call at batch 32 (mla_ab_h200.json run 4), 10% at batch 1,
 // 1K, where a request spreads over 8 of the plan's 113 splits (run 11).
 constexpr int kFewSplits = 8;
-// four bf16 partial values (8 bytes) as floats
-__device__ __forceinline__ float4 load_partial4(const __nv_bfloat16* p) {
+// four partial values (8 bytes: bf16, or fp16 for an fp8 cache) as floats
+template <bool kF16>
+__device__ __forceinline__ float4 load_partial4(const uint16_t* p) {
   const uint2 v = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  float2 a, b;
+  if (kF16) {
+    a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+    b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  } else {
+    a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+    b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  }
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
-__device__ __forceinline__ void merge_row_few(const __nv_bfloat16* __restrict__ part_o, const float* l,
+// (scale: from the partials' units to the output's: kv_scale for an fp8 cache, else 1)
+template <bool kF16>
+__device__ __forceinline__ void merge_row_few(const uint16_t* __restrict__ part_o, const float* l,
                                               long row, int splits, int active, int col,
-                                              __nv_bfloat16* __restrict__ out,
+                                              float scale, __nv_bfloat16* __restrict__ out,
                                               float* __restrict__ lse) {
   float4 o[kFewSplits];
   float mx = -INFINITY;
@@ -293,7 +302,7 @@ __device__ __forceinline__ void merge_row_few(const __nv_bfloat16* __restrict__ 
   for (int s = 0; s < kFewSplits; ++s) {
     // a split that saw none of this row's tokens (lse -inf) wrote no O: never load it
     if (s < active && l[s] != -INFINITY) {
-      o[s] = load_partial4(part_o + (row * splits + s) * kDV + col);
+      o[s] = load_partial4<kF16>(part_o + (row * splits + s) * kDV + col);
       mx = fmaxf(mx, l[s]);
     }
   }
@@ -315,7 +324,7 @@ __device__ __forceinline__ void merge_row_few(const __nv_bfloat16* __restrict__ 
       acc.w += w * o[s].w;
     }
   }
-  const float inv = 1.f / total;
+  const float inv = scale / total;
   __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(out + row * kDV + col) =
@@ -325,11 +334,12 @@ __device__ __forceinline__ void merge_row_few(const __nv_bfloat16* __restrict__ 
 
 // The merge of plans of at most kFewSplits splits (batch >= ~32): one CTA of 128 threads per row,
 // the request's length and the splits' LSE loaded at once.
+template <bool kF16>
 __global__ void __launch_bounds__(128)
-    mla_merge_few_splits_kernel(const __nv_bfloat16* __restrict__ part_o,
+    mla_merge_few_splits_kernel(const uint16_t* __restrict__ part_o,
                                 const float* __restrict__ part_lse,
                                 const int* __restrict__ seq_lens, int rows_per_req, int splits,
-                                SplitRule rule, __nv_bfloat16* __restrict__ out,
+                                SplitRule rule, float scale, __nv_bfloat16* __restrict__ out,
                                 float* __restrict__ lse) {
   const long row = blockIdx.x;
   const int n = seq_lens[row / rows_per_req];
@@ -338,7 +348,7 @@ __global__ void __launch_bounds__(128)
   for (int s = 0; s < kFewSplits; ++s) l[s] = s < splits ? part_lse[row * splits + s] : -INFINITY;
   const int active = active_splits(n, splits, rule);
   if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
-  merge_row_few(part_o, l, row, splits, active, threadIdx.x * 4, out, lse);
+  merge_row_few<kF16>(part_o, l, row, splits, active, threadIdx.x * 4, scale, out, lse);
 }
 
 // LSE merge of the split partials: one CTA per row, blockDim = 128 G threads. Group g of 128
@@ -353,11 +363,12 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return v;
 }
 
+template <bool kF16>
 __global__ void __launch_bounds__(1024)
-    mla_merge_splits_kernel(const __nv_bfloat16* __restrict__ part_o,
+    mla_merge_splits_kernel(const uint16_t* __restrict__ part_o,
                             const float* __restrict__ part_lse,
                             const int* __restrict__ seq_lens, int rows_per_req, int splits,
-                            SplitRule rule, __nv_bfloat16* __restrict__ out,
+                            SplitRule rule, float scale, __nv_bfloat16* __restrict__ out,
                             float* __restrict__ lse) {
   extern __shared__ float merge_smem[];  // [splits] lse, then [G - 1] x (512 sums, total, pad)
   __shared__ float red[32];
@@ -371,7 +382,7 @@ __global__ void __launch_bounds__(1024)
 #pragma unroll
     for (int s = 0; s < kFewSplits; ++s)
       lf[s] = s < active ? part_lse[row * splits + s] : -INFINITY;
-    merge_row_few(part_o, lf, row, splits, active, col, out, lse);
+    merge_row_few<kF16>(part_o, lf, row, splits, active, col, scale, out, lse);
     return;
   }
   const float* l = part_lse + row * splits;
@@ -394,7 +405,7 @@ __global__ void __launch_bounds__(1024)
     if (ls == -INFINITY) continue;  // a split that saw none of this row's tokens wrote no O
     const float w = __expf(ls - mx);
     total += w;
-    const float4 o = load_partial4(part_o + (row * splits + s) * kDV + col);
+    const float4 o = load_partial4<kF16>(part_o + (row * splits + s) * kDV + col);
     acc.x += w * o.x;
     acc.y += w * o.y;
     acc.z += w * o.z;
@@ -417,7 +428,7 @@ __global__ void __launch_bounds__(1024)
       total += sums[k * (kDV + 4) + kDV];
     }
   }
-  const float inv = 1.f / total;
+  const float inv = scale / total;
   __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(out + row * kDV + col) =
@@ -490,7 +501,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   p.seq_lens = a.seq_lens;
   p.out = a.out;
   p.lse = a.lse;
-  p.part_o = static_cast<__nv_bfloat16*>(a.part_o);
+  p.part_o = static_cast<uint16_t*>(a.part_o);
   p.part_lse = a.part_lse;
   p.err = a.err;
   p.bt_stride = a.bt_stride;
@@ -528,15 +539,19 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   }
   if (a.num_splits > 1) {
     const unsigned rows = static_cast<unsigned>(static_cast<long>(a.batch) * p.rows_per_req);
-    const __nv_bfloat16* po = p.part_o;
+    const uint16_t* po = p.part_o;
     const float* pl = a.part_lse;
     __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(a.out);
+    // an fp8 cache's partials are fp16 in the cache's units: the merge applies kv_scale
+    const float scale = a.kv_fp8 ? a.kv_scale : 1.f;
+    const auto few = a.kv_fp8 ? mla_merge_few_splits_kernel<true> : mla_merge_few_splits_kernel<false>;
+    const auto grouped = a.kv_fp8 ? mla_merge_splits_kernel<true> : mla_merge_splits_kernel<false>;
     if (a.num_splits <= kFewSplits)
-      mla_merge_few_splits_kernel<<<rows, 128, 0, stream>>>(po, pl, a.seq_lens, p.rows_per_req,
-                                                            a.num_splits, p.rule, o, a.lse);
+      few<<<rows, 128, 0, stream>>>(po, pl, a.seq_lens, p.rows_per_req, a.num_splits, p.rule,
+                                    scale, o, a.lse);
     else
-      mla_merge_splits_kernel<<<rows, 128 * groups, merge_smem, stream>>>(
-          po, pl, a.seq_lens, p.rows_per_req, a.num_splits, p.rule, o, a.lse);
+      grouped<<<rows, 128 * groups, merge_smem, stream>>>(po, pl, a.seq_lens, p.rows_per_req,
+                                                          a.num_splits, p.rule, scale, o, a.lse);
     e = cudaGetLastError();
     if (e != cudaSuccess) {
       snprintf(msg, msg_len, "merge kernel launch: %s", cudaGetErrorString(e));

@@ -18,7 +18,7 @@ struct LaunchArgs {
   float softmax_scale, kv_scale;
   void* out;              // [B*Q, H, 512] bf16
   float* lse;             // [B*Q, H] fp32
-  void* part_o;           // [B*Q*H, splits, 512] bf16 (splits > 1)
+  void* part_o;           // [B*Q*H, splits, 512] bf16, fp16 with an fp8 cache (splits > 1)
   float* part_lse;        // [B*Q*H, splits] fp32      (splits > 1)
   int* err;               // int32[4], zero-initialised; see mla_verify_sm90.cu
 };

@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // both warpgroups hold O and l relative to the same final row max
-  store_rows(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), sbase + kSmemQ,
+  store_rows<kFp8>(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), sbase + kSmemQ,
              kBarSum, row_base, m0, blockIdx.y, sr.split_out(), wg, r0, quad,
              [&](int step) { MLA_STAMP(tid == 0, 10 + step, clock_now()); });
   MLA_STAMP(tid == 0, 7, clock_now());

@@ -44,7 +44,7 @@ struct Params {
   const int* seq_lens;    // [B] int32
   void* out;              // [B*Q, H, 512] bf16 (requests on one split)
   float* lse;             // [B*Q*H] fp32     (requests on one split)
-  __nv_bfloat16* part_o;  // [B*Q*H, splits, 512] bf16 (num_splits > 1)
+  uint16_t* part_o;       // [B*Q*H, splits, 512] bf16, or fp16 in the cache's units (num_splits > 1)
   float* part_lse;        // [B*Q*H, splits] fp32      (num_splits > 1)
   int* err;               // [4] int32: timeout code, block, chunk, parity of the first timeout
   int bt_stride;
@@ -368,16 +368,19 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // Epilogue shared by the kernels: warpgroup wg holds columns 256wg.. of its rows r0, r0+8 in acc
 // (the wgmma m64n256 accumulator layout) and per-thread partial row sums, all relative to the
 // row max `row_max`; total the sums over the quad and both warpgroups (through `ssum`, 128
-// floats, and named barrier bar_id), normalise, and write the bf16 rows + LSE: the output, or with
-// split-K the split's partial (bf16 O normalised by its own sum; fp32 LSE). The tile goes through
+// floats, and named barrier bar_id), normalise, and write 16-bit rows + LSE: the bf16 output, or
+// with split-K the split's partial (O normalised by its own sum; fp32 LSE): bf16 for a bf16 cache,
+// fp16 for an fp8 one, kept in the cache's units (a convex combination of fp8 values, |O| <= 448,
+// so fp16 cannot overflow; the merge applies kv_scale), which keeps fp8's error at its fp16 level. The tile goes through
 // shared memory at `stage` (64 KB, free once both warpgroups are past their last Q·K^T: the Q
 // tile) so that it leaves in whole 16-byte rows' pieces: written straight from the accumulator
 // layout, a warp's store covered 16 bytes of each of 8 rows, half a sector, and the epilogue took
 // 6-9 us at 48-96 heads (mla_breakdown.py --timeline). Partials in bf16 halve the bytes written and
-// read back by the merge (up to 113 partials a row at batch 1); they add one bf16 rounding to the
-// result, which is bf16 anyway. `mark(i)` runs at its steps (i = 0: the row sums exchanged, 1: the
-// tile staged); the timeline build stamps them, the production build passes a no-op.
-template <typename Mark>
+// read back by the merge (up to 113 partials a row at batch 1); they add one 16-bit rounding to the
+// result, which is bf16 anyway. kFp8: the kernel reads an fp8 cache. `mark(i)` runs at its steps
+// (i = 0: the row sums exchanged, 1: the tile staged); the timeline build stamps them, the
+// production build passes a no-op.
+template <bool kFp8, typename Mark>
 __device__ __forceinline__ void store_rows(const Params& p, const float* acc, float* row_sum,
                                            const float* row_max, float* ssum, uint32_t stage,
                                            int bar_id, long row_base, int m0, int split,
@@ -393,13 +396,14 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
   }
   named_bar(bar_id, kThreads);
   mark(0);
+  const bool f16 = kFp8 && split_out;  // an fp8 cache's partial: fp16, in the cache's units
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
     if (m0 + r >= p.rows_per_req) continue;
     const float l = ssum[r] + ssum[64 + r];
     // a row that saw no token: lse -inf and zeros (a merge never reads such a partial)
-    const float inv = l > 0.f ? p.out_scale / l : 0.f;
+    const float inv = l > 0.f ? (f16 ? 1.f : p.out_scale) / l : 0.f;
     if (wg == 0 && quad == 0) {
       const float lse = l > 0.f ? (row_max[h] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
       const long g = row_base + r;
@@ -411,13 +415,13 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
 #pragma unroll
     for (int j = 0; j < 32; ++j)
       st_shared(stage + r * 1024 + (((wg * 32 + j) ^ (r & 7)) << 4) + quad * 4,
-                pack2(acc[4 * j + 2 * h] * inv, acc[4 * j + 2 * h + 1] * inv, false));
+                pack2(acc[4 * j + 2 * h] * inv, acc[4 * j + 2 * h + 1] * inv, f16));
   }
   mark(1);
   named_bar(bar_id, kThreads);
   // row g of the output, or its split's slot of the partials
-  __nv_bfloat16* dst = split_out ? p.part_o + static_cast<long>(split) * kDV
-                                 : reinterpret_cast<__nv_bfloat16*>(p.out);
+  uint16_t* dst = split_out ? p.part_o + static_cast<long>(split) * kDV
+                            : reinterpret_cast<uint16_t*>(p.out);
   const long stride = split_out ? static_cast<long>(p.num_splits) * kDV : kDV;
   for (int i = threadIdx.x; i < 64 * 64; i += kThreads) {
     const int r = i >> 6, c = i & 63;
