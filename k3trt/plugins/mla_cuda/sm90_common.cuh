@@ -370,15 +370,15 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // row max `row_max`; total the sums over the quad and both warpgroups (through `ssum`, 128
 // floats, and named barrier bar_id), normalise, and write 16-bit rows + LSE: the bf16 output, or
 // with split-K the split's partial (O normalised by its own sum; fp32 LSE): bf16 for a bf16 cache,
-// fp16 for an fp8 one, kept in the cache's units (a convex combination of fp8 values, |O| <= 448,
-// so fp16 cannot overflow; the merge applies kv_scale), which keeps fp8's error at its fp16 level. The tile goes through
-// shared memory at `stage` (64 KB, free once both warpgroups are past their last Q·K^T: the Q
-// tile) so that it leaves in whole 16-byte rows' pieces: written straight from the accumulator
-// layout, a warp's store covered 16 bytes of each of 8 rows, half a sector, and the epilogue took
-// 6-9 us at 48-96 heads (mla_breakdown.py --timeline). Partials in bf16 halve the bytes written and
-// read back by the merge (up to 113 partials a row at batch 1); they add one 16-bit rounding to the
-// result, which is bf16 anyway. kFp8: the kernel reads an fp8 cache. `mark(i)` runs at its steps
-// (i = 0: the row sums exchanged, 1: the tile staged); the timeline build stamps them, the
+// fp16 for an fp8 one (kFp8), kept in the cache's units (a convex combination of fp8 values,
+// |O| <= 448, so fp16 cannot overflow; the merge applies kv_scale), which keeps fp8's error at its
+// fp16 level. The tile goes through shared memory at `stage` (64 KB, free once both warpgroups are
+// past their last Q·K^T: the Q tile) so that it leaves in whole 16-byte rows' pieces: written
+// straight from the accumulator layout, a warp's store covered 16 bytes of each of 8 rows, half a
+// sector, and the epilogue took 6-9 us at 48-96 heads (mla_breakdown.py --timeline). 16-bit
+// partials halve the bytes written and read back by the merge (up to 113 partials a row at batch
+// 1: 3-11% there) and add one rounding to the result, which is bf16 anyway. `mark(i)` runs at its
+// steps (i = 0: the row sums exchanged, 1: the tile staged); the timeline build stamps them, the
 // production build passes a no-op.
 template <bool kFp8, typename Mark>
 __device__ __forceinline__ void store_rows(const Params& p, const float* acc, float* row_sum,
