@@ -150,8 +150,8 @@ def split_scratch(rows: int, splits: int, d_v: int, device: torch.device,
                   poison: bool = False, o_dtype: torch.dtype = torch.float32
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K partials of the MLA kernels: out [rows, splits, d_v] (fp32 for Triton; bf16, or fp16
-    with an fp8 cache, for the SM90 CUDA kernel) and lse [rows, splits] fp32. `poison` fills them with NaN (tests: no
-    unwritten partial may be read)."""
+    with an fp8 cache, for the SM90 CUDA kernel) and lse [rows, splits] fp32. `poison` fills them
+    with NaN (tests: no unwritten partial may be read)."""
     alloc = torch.full if poison else torch.empty
     fill = (float("nan"),) if poison else ()
     return (alloc((rows, splits, d_v), *fill, dtype=o_dtype, device=device),

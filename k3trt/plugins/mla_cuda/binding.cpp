@@ -89,6 +89,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("partial_dtype_fp8") = "float16";
   m.def("forward", &forward, "k3trt MLA verification, SM90 kernel (+ split merge)");
 #ifdef MLA_TIMELINE
-  m.def("timeline", &timeline, "per-CTA phase stamps of the pair kernel since the last read (which zeroes them)");
+  m.def("timeline", &timeline,
+        "per-CTA phase stamps of the pair kernel since the last read (which zeroes them)");
 #endif
 }

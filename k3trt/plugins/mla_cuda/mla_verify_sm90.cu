@@ -23,10 +23,10 @@
 //      shared P tile, rescale the own 64x256 fp32 accumulator (128 registers per thread).
 //   4. named barrier, then O_w += P[64x64] · V[64 tokens, columns 256w..256w+255]: 4 wgmma
 //      m64n256k16 (B N-major from the same swizzled chunks), left in flight until step 1.
-// The epilogue writes O (bf16) and LSE, or with split-K a bf16 partial + fp32 LSE per split that a
-// merge kernel combines (mla_triton's scratch layout, [rows, splits, d_v], in bf16). A request that the split
-// rule keeps on one split (active_splits == 1: short ones) gets its bf16 O and LSE from that CTA,
-// and the merge skips its rows.
+// The epilogue writes O (bf16) and LSE, or with split-K a 16-bit partial (bf16; fp16 for an fp8
+// cache) + fp32 LSE per split that a merge kernel combines (mla_triton's scratch layout, [rows,
+// splits, d_v]). A request that the split rule keeps on one split (active_splits == 1: short
+// ones) gets its bf16 O and LSE from that CTA, and the merge skips its rows.
 //
 // fp8-e4m3 cache (per-tensor scale): TMA brings each 64x64 fp8 chunk into the upper half of its
 // 8 KB slot; once a block has landed, both warpgroups expand it in place to fp16 (registers in
@@ -290,6 +290,13 @@ __device__ __forceinline__ float4 load_partial4(const uint16_t* p) {
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
+// the first `count` (<= kFewSplits) of a row's split LSEs into l, -inf past them
+__device__ __forceinline__ void load_lse_few(const float* __restrict__ part_lse, long row,
+                                             int splits, int count, float* l) {
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s) l[s] = s < count ? part_lse[row * splits + s] : -INFINITY;
+}
+
 // (scale: from the partials' units to the output's: kv_scale for an fp8 cache, else 1)
 template <bool kF16>
 __device__ __forceinline__ void merge_row_few(const uint16_t* __restrict__ part_o, const float* l,
@@ -344,8 +351,7 @@ __global__ void __launch_bounds__(128)
   const long row = blockIdx.x;
   const int n = seq_lens[row / rows_per_req];
   float l[kFewSplits];
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) l[s] = s < splits ? part_lse[row * splits + s] : -INFINITY;
+  load_lse_few(part_lse, row, splits, splits, l);  // before the length is known: all at once
   const int active = active_splits(n, splits, rule);
   if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
   merge_row_few<kF16>(part_o, l, row, splits, active, threadIdx.x * 4, scale, out, lse);
@@ -379,9 +385,7 @@ __global__ void __launch_bounds__(1024)
   if (active <= kFewSplits) {  // a short request of a large plan: one group does it all at once
     if (g > 0) return;
     float lf[kFewSplits];
-#pragma unroll
-    for (int s = 0; s < kFewSplits; ++s)
-      lf[s] = s < active ? part_lse[row * splits + s] : -INFINITY;
+    load_lse_few(part_lse, row, splits, active, lf);
     merge_row_few<kF16>(part_o, lf, row, splits, active, col, scale, out, lse);
     return;
   }
