@@ -5,10 +5,11 @@ calls, round by round, so a lent GPU's drift moves them alike), with the copy ra
 same run.
 
     PYTHONPATH=. python benchmarks/mla_ab.py --a /tmp/base [--a name=/tmp/other] \
-        --cells 12:32:8192,12:128:1024 [--kv bf16,fp8] [--json out.json]
+        [--variant s=shared] --cells 12:32:8192,12:128:1024 [--kv bf16,fp8] [--json out.json]
 
 Prints µs per call for each build, B's fraction of the roofline and each A / B (> 1: B is faster).
-An --a is labelled A, A2, A3, ... unless given as name=folder.
+An --a is labelled A, A2, A3, ... unless given as name=folder. A --variant runs the tree's build
+with another schedule (name=schedule), timed and compared like an --a.
 """
 
 from __future__ import annotations
@@ -28,19 +29,25 @@ Q_ROWS, D_QK, D_V = 4, 576, 512
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--a", required=True, action="append",
+    ap.add_argument("--a", action="append", default=[],
                     help="[name=]folder with a baseline's mla_cuda sources (repeatable)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="name=schedule: the tree's build run so (repeatable)")
     ap.add_argument("--cells", default="12:32:8192,12:128:1024,12:128:8192,48:32:1024,96:32:8192")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
-    exts = {}
+    exts = {}  # label -> (build, launch options)
     for i, spec in enumerate(args.a):
         label, _, folder = spec.rpartition("=")
-        exts[label or ("A" if i == 0 else f"A{i + 1}")] = mla_cuda.load_extension(src_dir=folder)
-    exts["B"] = mla_cuda.load_extension()
+        exts[label or ("A" if i == 0 else f"A{i + 1}")] = (
+            mla_cuda.load_extension(src_dir=folder), {})
+    for spec in args.variant:
+        label, _, schedule = spec.partition("=")
+        exts[label] = (mla_cuda.load_extension(), dict(schedule=schedule))
+    exts["B"] = (mla_cuda.load_extension(), {})
     bases = [k for k in exts if k != "B"]
     ceil = measure()
     print(json.dumps(ceil), flush=True)
@@ -57,10 +64,10 @@ def main(argv=None) -> int:
             ref = mla_verify_ref(q[:2 * Q_ROWS], inp.cache, inp.table[:2], inp.seq_lens[:2], Q_ROWS,
                                  192 ** -0.5, kv_scale, D_V)
             calls, errs = {}, {}
-            for label, ext in exts.items():
-                def call(ext=ext, q=q, inp=inp, kv_scale=kv_scale):
+            for label, (ext, kw) in exts.items():
+                def call(ext=ext, kw=kw, q=q, inp=inp, kv_scale=kv_scale):
                     return mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS,
-                                                    192 ** -0.5, kv_scale, D_V, ext=ext)
+                                                    192 ** -0.5, kv_scale, D_V, ext=ext, **kw)
                 out, lse = call()
                 c = compare(out[:2 * Q_ROWS], lse[:2 * Q_ROWS], *ref, f"{label} {kv} {cell}")
                 errs[label] = c["rel_err"] if c["ok"] else f"BAD {c['rel_err']}"

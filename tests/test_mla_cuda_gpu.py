@@ -117,3 +117,12 @@ def test_captures_in_graph_and_follows_lengths(kv, schedule):
     out, lse = replay_shorter(call, seq_lens)
     check(out, lse, *mla_verify_ref(q, cache, table, seq_lens, 4, case.width ** -0.5,
                                     case.kv_scale, case.d_v))
+
+
+@pytest.mark.parametrize("splits", [2, 4, 6, 8])
+@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
+def test_merge_rows_not_a_multiple_of_its_cta(splits, kv):
+    """The few-splits merge takes 8 rows a CTA (a warp each): 5 heads x 4 rows x 3 requests = 60
+    rows leave its last CTA half empty; one request on one split beside merged ones."""
+    check(*run(_case((3000, 70, 1200), 5, kv), splits, seed=splits, schedule="pair",
+               min_split_blocks=4, max_spread=splits))

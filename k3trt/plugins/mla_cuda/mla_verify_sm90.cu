@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = t & 31;
   const int quad = lane & 3;
   const int r0 = ((t >> 5) << 4) + (lane >> 2);  // accumulator rows r0, r0 + 8 of this thread
+  pdl_launch_dependents();
 
   const int b = blockIdx.z;
   const int split = blockIdx.y;
@@ -269,92 +270,138 @@ __global__ void __launch_bounds__(kThreads, 1)
              sr.split_out(), wg, r0, quad, [](int) {});
 }
 
-// LSE merge of a row over at most kFewSplits splits, by 128 threads of 4 columns each, from its
-// splits' LSE (l; only the first `active` are read): every partial it needs is loaded at once,
-// where the grouped merge's loop waits on memory three times in a row (length, LSE through shared
-// memory, partials): 1.7-5% of the whole call at batch 32 (mla_ab_h200.json run 4), 10% at batch 1,
-// 1K, where a request spreads over 8 of the plan's 113 splits (run 11).
+// LSE merge of a row over at most kMax splits, kCols columns a thread from col (4: 128 threads a
+// row; 16: a warp), from its splits' LSE (l; only the first `active` are read): every partial it
+// needs is loaded at once, where the grouped merge's loop waits on memory three times in a row
+// (length, LSE through shared memory, partials): 1.7-5% of the whole call at batch 32
+// (mla_ab_h200.json run 4), 10% at batch 1, 1K, where a request spreads over 8 of the plan's 113
+// splits (run 11).
 constexpr int kFewSplits = 8;
-// four partial values (8 bytes: bf16, or fp16 for an fp8 cache) as floats
+// kCols 16-bit values (bf16, or fp16 for an fp8 cache) <-> floats
+template <bool kF16>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  return kF16 ? __half22float2(*reinterpret_cast<const __half2*>(&v))
+              : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <int kCols>
+__device__ __forceinline__ void load_words(const uint16_t* p, uint32_t* w) {
+  if constexpr (kCols % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < kCols / 8; ++k) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p + 8 * k);
+      w[4 * k] = v.x, w[4 * k + 1] = v.y, w[4 * k + 2] = v.z, w[4 * k + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kCols / 4; ++k) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p + 4 * k);
+      w[2 * k] = v.x, w[2 * k + 1] = v.y;
+    }
+  }
+}
+template <int kCols>
+__device__ __forceinline__ void store_words(__nv_bfloat16* p, const uint32_t* w) {
+  if constexpr (kCols % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < kCols / 8; ++k)
+      *reinterpret_cast<uint4*>(p + 8 * k) =
+          make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kCols / 4; ++k)
+      *reinterpret_cast<uint2*>(p + 4 * k) = make_uint2(w[2 * k], w[2 * k + 1]);
+  }
+}
+// four partial values (8 bytes) as floats (the grouped merge's loop)
 template <bool kF16>
 __device__ __forceinline__ float4 load_partial4(const uint16_t* p) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
-  float2 a, b;
-  if (kF16) {
-    a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
-    b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
-  } else {
-    a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-    b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
-  }
+  uint32_t w[2];
+  load_words<4>(p, w);
+  const float2 a = unpack2<kF16>(w[0]), b = unpack2<kF16>(w[1]);
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
-// the first `count` (<= kFewSplits) of a row's split LSEs into l, -inf past them
+// the first `count` (<= kMax) of a row's split LSEs into l, -inf past them
+template <int kMax>
 __device__ __forceinline__ void load_lse_few(const float* __restrict__ part_lse, long row,
                                              int splits, int count, float* l) {
 #pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) l[s] = s < count ? part_lse[row * splits + s] : -INFINITY;
+  for (int s = 0; s < kMax; ++s) l[s] = s < count ? part_lse[row * splits + s] : -INFINITY;
 }
 
-// (scale: from the partials' units to the output's: kv_scale for an fp8 cache, else 1)
-template <bool kF16>
+// (scale: from the partials' units to the output's: kv_scale for an fp8 cache, else 1; kMax: the
+// most splits, whose partials it holds in registers)
+template <bool kF16, int kCols, int kMax>
 __device__ __forceinline__ void merge_row_few(const uint16_t* __restrict__ part_o, const float* l,
                                               long row, int splits, int active, int col,
                                               float scale, __nv_bfloat16* __restrict__ out,
                                               float* __restrict__ lse) {
-  float4 o[kFewSplits];
+  uint32_t o[kMax][kCols / 2];
   float mx = -INFINITY;
 #pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) {
+  for (int s = 0; s < kMax; ++s) {
     // a split that saw none of this row's tokens (lse -inf) wrote no O: never load it
     if (s < active && l[s] != -INFINITY) {
-      o[s] = load_partial4<kF16>(part_o + (row * splits + s) * kDV + col);
+      load_words<kCols>(part_o + (row * splits + s) * kDV + col, o[s]);
       mx = fmaxf(mx, l[s]);
     }
   }
+  uint32_t w[kCols / 2];
   if (mx == -INFINITY) {
-    *reinterpret_cast<uint2*>(out + row * kDV + col) = make_uint2(0, 0);
+#pragma unroll
+    for (int k = 0; k < kCols / 2; ++k) w[k] = 0u;
+    store_words<kCols>(out + row * kDV + col, w);
     if (col == 0) lse[row] = -INFINITY;
     return;
   }
   float total = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float acc[kCols];
 #pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) {
+  for (int k = 0; k < kCols; ++k) acc[k] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kMax; ++s) {
     if (s < active && l[s] != -INFINITY) {
-      const float w = __expf(l[s] - mx);
-      total += w;
-      acc.x += w * o[s].x;
-      acc.y += w * o[s].y;
-      acc.z += w * o[s].z;
-      acc.w += w * o[s].w;
+      const float wt = __expf(l[s] - mx);
+      total += wt;
+#pragma unroll
+      for (int k = 0; k < kCols / 2; ++k) {
+        const float2 v = unpack2<kF16>(o[s][k]);
+        acc[2 * k] += wt * v.x;
+        acc[2 * k + 1] += wt * v.y;
+      }
     }
   }
   const float inv = scale / total;
-  __nv_bfloat162 a = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  __nv_bfloat162 c = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  *reinterpret_cast<uint2*>(out + row * kDV + col) =
-      make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&c));
+#pragma unroll
+  for (int k = 0; k < kCols / 2; ++k) w[k] = pack2(acc[2 * k] * inv, acc[2 * k + 1] * inv, false);
+  store_words<kCols>(out + row * kDV + col, w);
   if (col == 0) lse[row] = mx + __logf(total);
 }
 
-// The merge of plans of at most kFewSplits splits (batch >= ~32): one CTA of 128 threads per row,
-// the request's length and the splits' LSE loaded at once.
-template <bool kF16>
-__global__ void __launch_bounds__(128)
+// The merge of plans of at most kMax (4 or 8) splits (batch >= ~32): a warp per row, 16 columns a
+// lane (two 16-byte loads per partial), 8 rows a CTA. One 128-thread CTA per row, as before, fit
+// 8 rows per SM at a time (57 registers), so 6144 rows (48 heads, batch 32) took six waves of
+// latency-bound CTAs; warps holding 4 partials fit 24-32 (kMax 4: 64-80 registers). A programmatic
+// dependent launch: a CTA whose rows all sit on one split (the verify kernel wrote them) exits
+// without waiting for the verify grid, i.e. while its last CTAs run; CTA 0 always waits, so that
+// this grid never completes before the verify grid does.
+constexpr int kMergeRowsPerCta = 8;
+template <bool kF16, int kMax>
+__global__ void __launch_bounds__(32 * kMergeRowsPerCta)
     mla_merge_few_splits_kernel(const uint16_t* __restrict__ part_o,
                                 const float* __restrict__ part_lse,
-                                const int* __restrict__ seq_lens, int rows_per_req, int splits,
-                                SplitRule rule, float scale, __nv_bfloat16* __restrict__ out,
-                                float* __restrict__ lse) {
-  const long row = blockIdx.x;
-  const int n = seq_lens[row / rows_per_req];
-  float l[kFewSplits];
-  load_lse_few(part_lse, row, splits, splits, l);  // before the length is known: all at once
-  const int active = active_splits(n, splits, rule);
-  if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
-  merge_row_few<kF16>(part_o, l, row, splits, active, threadIdx.x * 4, scale, out, lse);
+                                const int* __restrict__ seq_lens, long rows, int rows_per_req,
+                                int splits, SplitRule rule, float scale,
+                                __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
+  const long row = blockIdx.x * static_cast<long>(kMergeRowsPerCta) + (threadIdx.x >> 5);
+  const int active = row < rows ? active_splits(seq_lens[row / rows_per_req], splits, rule) : 1;
+  if (!__syncthreads_or(active > 1) && blockIdx.x != 0) return;
+  pdl_wait();
+  if (active == 1) return;
+  float l[kMax];
+  load_lse_few<kMax>(part_lse, row, splits, active, l);
+  merge_row_few<kF16, 16, kMax>(part_o, l, row, splits, active, (threadIdx.x & 31) * 16, scale,
+                                out, lse);
 }
 
 // LSE merge of the split partials: one CTA per row, blockDim = 128 G threads. Group g of 128
@@ -369,8 +416,9 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return v;
 }
 
+// (__launch_bounds__ without the 1: ptxas gave the fp8 instance 32 registers, and it spilled)
 template <bool kF16>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(1024, 1)
     mla_merge_splits_kernel(const uint16_t* __restrict__ part_o,
                             const float* __restrict__ part_lse,
                             const int* __restrict__ seq_lens, int rows_per_req, int splits,
@@ -381,12 +429,16 @@ __global__ void __launch_bounds__(1024)
   const long row = blockIdx.x;
   const int tid = threadIdx.x, groups = blockDim.x >> 7, g = tid >> 7, col = (tid & 127) * 4;
   const int active = active_splits(seq_lens[row / rows_per_req], splits, rule);
-  if (active == 1) return;  // the verify kernel wrote this request's rows (SplitRange)
+  // the verify kernel wrote this request's rows (SplitRange); as in the few-splits kernel, only
+  // rows that read partials (and CTA 0) wait for it
+  if (active == 1 && row != 0) return;
+  pdl_wait();
+  if (active == 1) return;
   if (active <= kFewSplits) {  // a short request of a large plan: one group does it all at once
     if (g > 0) return;
     float lf[kFewSplits];
-    load_lse_few(part_lse, row, splits, active, lf);
-    merge_row_few<kF16>(part_o, lf, row, splits, active, col, scale, out, lse);
+    load_lse_few<kFewSplits>(part_lse, row, splits, active, lf);
+    merge_row_few<kF16, 4, kFewSplits>(part_o, lf, row, splits, active, col, scale, out, lse);
     return;
   }
   const float* l = part_lse + row * splits;
@@ -548,15 +600,34 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
     __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(a.out);
     // an fp8 cache's partials are fp16 in the cache's units: the merge applies kv_scale
     const float scale = a.kv_fp8 ? a.kv_scale : 1.f;
-    const auto few = a.kv_fp8 ? mla_merge_few_splits_kernel<true> : mla_merge_few_splits_kernel<false>;
+    using FewKernel = void (*)(const uint16_t*, const float*, const int*, long, int, int, SplitRule,
+                               float, __nv_bfloat16*, float*);
+    static const FewKernel few_kernels[2][2] = {
+        {mla_merge_few_splits_kernel<false, 4>, mla_merge_few_splits_kernel<false, kFewSplits>},
+        {mla_merge_few_splits_kernel<true, 4>, mla_merge_few_splits_kernel<true, kFewSplits>}};
+    const FewKernel few = few_kernels[a.kv_fp8][a.num_splits > 4];
     const auto grouped = a.kv_fp8 ? mla_merge_splits_kernel<true> : mla_merge_splits_kernel<false>;
-    if (a.num_splits <= kFewSplits)
-      few<<<rows, 128, 0, stream>>>(po, pl, a.seq_lens, p.rows_per_req, a.num_splits, p.rule,
-                                    scale, o, a.lse);
-    else
-      grouped<<<rows, 128 * groups, merge_smem, stream>>>(po, pl, a.seq_lens, p.rows_per_req,
-                                                          a.num_splits, p.rule, scale, o, a.lse);
-    e = cudaGetLastError();
+    // a programmatic dependent launch: its CTAs start while the verify kernel's last ones run
+    cudaLaunchAttribute pdl[1];
+    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.stream = stream;
+    cfg.attrs = pdl;
+    cfg.numAttrs = 1;
+    if (a.num_splits <= kFewSplits) {
+      cfg.gridDim = dim3((rows + kMergeRowsPerCta - 1) / kMergeRowsPerCta);
+      cfg.blockDim = dim3(32 * kMergeRowsPerCta);
+      e = cudaLaunchKernelEx(&cfg, few, po, pl, a.seq_lens, static_cast<long>(rows),
+                             p.rows_per_req, a.num_splits, p.rule, scale, o, a.lse);
+    } else {
+      cfg.gridDim = dim3(rows);
+      cfg.blockDim = dim3(128 * groups);
+      cfg.dynamicSmemBytes = merge_smem;
+      e = cudaLaunchKernelEx(&cfg, grouped, po, pl, a.seq_lens, p.rows_per_req, a.num_splits,
+                             p.rule, scale, o, a.lse);
+    }
+    if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) {
       snprintf(msg, msg_len, "merge kernel launch: %s", cudaGetErrorString(e));
       return 1;

@@ -280,6 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   MLA_STAMP(tid == 0, 0, globaltimer());
   MLA_STAMP(tid == 0, 1, clock_now());
+  pdl_launch_dependents();
   const int b = blockIdx.z;
   const int m0 = blockIdx.x * 64;
   const long row_base = static_cast<long>(b) * p.rows_per_req + m0;

@@ -128,6 +128,15 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Programmatic dependent launch (sm_90): the verify kernels let the merge kernel, launched with the
+// programmatic-serialization attribute, start while their last CTAs still run (launch_dependents at
+// entry); the merge waits for the verify grid to complete and its writes to be visible (pdl_wait)
+// only where it needs them. Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
