@@ -17,9 +17,11 @@ spreads over fewer splits: at most ``max_spread`` (None: as many as keep the gri
 CTAs), with at least min_split_blocks pages each (the rule and why: MIN_SPLIT_BLOCKS). The grid
 stays as planned, so a captured graph replays at any length. A request on one split needs no merge:
 its CTA writes the bf16 output and the merge skips its rows (at 48 and 96 heads, batch 32, 1K the
-fp32 partials and the merge had cost 13%). The merge reads only the splits used: a row spread over
-at most 8 splits issues all its loads at once (128 threads per row); rows spread wider use a group
-of 128 threads per 8 splits (up to 1024 threads) per row.
+fp32 partials and the merge had cost 13%). The merge reads only the splits used: in plans of at
+most 8 splits a warp per row issues all its loads at once; in larger plans a row spread over at most
+8 splits does the same with 128 threads, and rows spread wider use a group of 128 threads per 8
+splits (up to 1024 threads). The merge is a programmatic dependent launch: its CTAs start while the
+verify kernel's last ones run, and those with nothing to merge exit without waiting for it.
 
 Two schedules of the same CTA (64 rows × one split, two consumer warpgroups, each owning 256 of
 the 512 output columns; TMA streams the pages through a two-stage ring of 72 KB blocks with one
