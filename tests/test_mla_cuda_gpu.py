@@ -126,3 +126,24 @@ def test_merge_rows_not_a_multiple_of_its_cta(splits, kv):
     rows leave its last CTA half empty; one request on one split beside merged ones."""
     check(*run(_case((3000, 70, 1200), 5, kv), splits, seed=splits, schedule="pair",
                min_split_blocks=4, max_spread=splits))
+
+
+def test_next_kernel_sees_the_whole_output_after_a_merge_with_nothing_to_merge():
+    """The merge is a programmatic dependent launch whose CTAs exit at once when their rows sit on
+    one split; only CTA 0 waits for the verify grid. If none waited, the merge grid could complete
+    while the verify kernel (3000 tokens a request here, ~100 us) still writes, and the next kernel
+    in the stream would read a NaN-poisoned output."""
+    from k3trt.plugins import mla_cuda
+    case = _case((3000,) * 32, 12, None)
+    q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
+    out = torch.empty(q.shape[0], case.heads, case.d_v, dtype=q.dtype, device="cuda")
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    first = None
+    for _ in range(50):
+        out.fill_(float("nan"))
+        mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, case.width ** -0.5, 1.0, case.d_v,
+                                 num_splits=4, out=out, lse=lse, max_spread=1,
+                                 full_split_blocks=1000)
+        assert not torch.isnan(out).any().item()
+        first = out.clone() if first is None else first
+        assert torch.equal(out, first)
