@@ -26,7 +26,9 @@
 // The epilogue writes O (bf16) and LSE, or with split-K a 16-bit partial (bf16; fp16 for an fp8
 // cache) + fp32 LSE per split that a merge kernel combines (mla_triton's scratch layout, [rows,
 // splits, d_v]). A request that the split rule keeps on one split (active_splits == 1: short
-// ones) gets its bf16 O and LSE from that CTA, and the merge skips its rows.
+// ones) gets its bf16 O and LSE from that CTA, and the merge skips its rows. The merge is a
+// programmatic dependent launch (pdl_launch_dependents / pdl_wait, sm90_common.cuh): it starts
+// while the verify kernel's last CTAs run, and only its CTAs that read partials wait for them.
 //
 // fp8-e4m3 cache (per-tensor scale): TMA brings each 64x64 fp8 chunk into the upper half of its
 // 8 KB slot; once a block has landed, both warpgroups expand it in place to fp16 (registers in
