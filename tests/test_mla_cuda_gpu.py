@@ -147,3 +147,38 @@ def test_next_kernel_sees_the_whole_output_after_a_merge_with_nothing_to_merge()
         assert not torch.isnan(out).any().item()
         first = out.clone() if first is None else first
         assert torch.equal(out, first)
+
+
+@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
+def test_q_tile_reads_only_its_rows(kv):
+    """The pair kernel's Q tile comes by TMA, from a tensor map over Q's own rows: here Q is a view
+    one row into a NaN-filled buffer, so a map based on anything but Q's pointer reads NaN or
+    shifted rows. With 12 heads a request's 48 rows fill three quarters of its 64-row tile; the
+    rest reads the next request's Q (zeros past the tensor), which must not reach the output."""
+    from k3trt.plugins import mla_cuda
+    from k3trt.plugins.mla_verify import mla_verify_ref
+    case = _case((700, 65, 1, 2000), 12, kv)
+    q, cache, table, seq_lens, _ = make_inputs(case, seed=11, device="cuda")
+    buf = torch.full((q.shape[0] + 2, *q.shape[1:]), float("nan"), dtype=q.dtype, device="cuda")
+    buf[1:-1] = q
+    for splits in (1, 3):
+        out = torch.full((q.shape[0], case.heads, case.d_v), float("nan"), dtype=q.dtype,
+                         device="cuda")
+        lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
+        mla_cuda.mla_verify_cuda(buf[1:-1], cache, table, seq_lens, 4, case.width ** -0.5,
+                                 case.kv_scale, case.d_v, num_splits=splits, out=out, lse=lse,
+                                 poison_scratch=True, min_split_blocks=1)
+        check(out, lse, *mla_verify_ref(q, cache, table, seq_lens, 4, case.width ** -0.5,
+                                        case.kv_scale, case.d_v))
+
+
+def test_misaligned_q_is_refused():
+    """TMA needs a 16-byte aligned base: a Q view 2 bytes into its buffer is refused by name."""
+    from k3trt.plugins import mla_cuda
+    case = _case((100,), 12, None)
+    q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    qv = buf[1:].view(q.shape)
+    qv.copy_(q)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mla_cuda.mla_verify_cuda(qv, cache, table, seq_lens, 4, case.width ** -0.5, 1.0, case.d_v)

@@ -29,7 +29,7 @@ mbarrier per 8 KB chunk, and each warpgroup reloads the chunks it was the last t
 - ``pair`` (default; mla_verify_sm90_pair.cu): the warpgroups take the blocks two at a time, one
   each for Q·K^T (a whole 64x64 score tile) and softmax, so one's softmax overlaps the other's
   MMAs; P goes to the P·V wgmma from registers, and through shared memory to the other
-  warpgroup.
+  warpgroup. Its Q tile also comes by TMA (a second tensor map, over Q's [B·Q·H, 576] rows).
 - ``shared`` (mla_verify_sm90.cu, the first version): both warpgroups on each block, 32 tokens of
   scores each; kept as the measured baseline.
 An fp8 cache lands as raw bytes and is expanded in place to fp16 before the same MMAs.
@@ -67,7 +67,7 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu")
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
               "-Xptxas=-v"]
-_TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out"}
+_TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out", 2: "Q tile mbarrier wait timed out"}
 # kernel schedules (mla_verify_sm90.h): "shared" = both warpgroups on each block (v4), "pair" = the
 # warpgroups on alternate blocks (mla_verify_sm90_pair.cu)
 SCHEDULES = {"shared": 0, "pair": 1}
@@ -113,6 +113,8 @@ def unsupported(q, kv_cache, block_table, seq_lens, d_v) -> str | None:
     if not (q.is_contiguous() and kv_cache.is_contiguous() and seq_lens.is_contiguous()
             and block_table.stride(-1) == 1):
         return "non-contiguous input"
+    if q.data_ptr() % 16 or kv_cache.data_ptr() % 16:  # TMA reads both (the binding checks too)
+        return "q / kv_cache not 16-byte aligned"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"device capability {torch.cuda.get_device_capability(q.device)} (sm_90 only)"
     return None

@@ -18,6 +18,7 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kBFloat16 && q.is_contiguous(),
               "q must be contiguous bf16 on CUDA");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 576, "q must be [B*Q, H, 576]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, "q not 16-aligned");
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == 64 && kv_cache.size(2) == 576 &&
                   kv_cache.is_contiguous(),
               "kv_cache must be contiguous [pages, 64, 576]");

@@ -538,17 +538,22 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   }
   EncodeTiledFn encode = get_encode_fn(msg, msg_len);
   if (!encode) return 1;
-  CUtensorMap map;
-  const int elem = a.kv_fp8 ? 1 : 2;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(a.num_pages) * kPage};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(kD) * elem};
-  cuuint32_t box[2] = {64, 64};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = encode(&map, a.kv_fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                      2, const_cast<void*>(a.kv), dims, strides, box, estr,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      a.kv_fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  // 576-wide rows in 64x64 boxes: the KV cache's pages (bf16 with the 128-byte swizzle, or raw fp8
+  // bytes), and the pair kernel's Q tile (bf16, swizzled: the wgmma A layout)
+  auto encode_rows = [&](CUtensorMap* map, const void* base, long rows, bool bytes) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kD) * (bytes ? 1 : 2)};
+    const cuuint32_t box[2] = {64, 64};
+    const cuuint32_t estr[2] = {1, 1};
+    return encode(map, bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                  const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  bytes ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  CUtensorMap map, q_map;
+  const long q_rows = static_cast<long>(a.batch) * a.q_per_req * a.heads;
+  CUresult r = encode_rows(&map, a.kv, a.num_pages * kPage, a.kv_fp8);
+  if (r == CUDA_SUCCESS) r = encode_rows(&q_map, a.q, q_rows, false);
   if (r != CUDA_SUCCESS) {
     snprintf(msg, msg_len, "cuTensorMapEncodeTiled failed with CUresult %d", static_cast<int>(r));
     return 1;
@@ -578,7 +583,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   // which kernel: the pair schedule or the shared-block one
   cudaError_t e;
   if (a.schedule == 1) {
-    e = launch_pair(map, p, grid, a.kv_fp8, stream);
+    e = launch_pair(map, q_map, p, grid, a.kv_fp8, stream);
   } else {
     static const cudaError_t allowed[2] = {allow_smem(mla_verify_sm90_kernel<false>, kSmemAlloc),
                                            allow_smem(mla_verify_sm90_kernel<true>, kSmemAlloc)};

@@ -17,8 +17,9 @@
 // reloaded first.
 //
 // Shared memory (226 KB): Q chunks 0..7 (64 KB; the rope chunk 8 of Q is held in registers as
-// the A fragment of its four QK^T wgmmas, which frees 8 KB), two 72 KB stages, P_A and P_B
-// (8 KB each), row statistics and 18 mbarriers. fp8 cache: TMA lands the raw bytes in the upper
+// the A fragment of its four QK^T wgmmas, which frees 8 KB: TMA lands it in P_B's tile, which is
+// free until the first P_B), two 72 KB stages, P_A and P_B (8 KB each), row statistics and 19
+// mbarriers (9 per stage, 1 for the Q tile). fp8 cache: TMA lands the raw bytes in the upper
 // half of each 8 KB chunk slot and the warpgroup that multiplies the block expands it in place to
 // fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16). Same split-K, masking,
 // NaN-safety and output contract as mla_verify_sm90.cu, whose header explains them.
@@ -69,8 +70,8 @@ constexpr int kSmemM = kSmemPB + kChunkBytes;        // float[64] running row ma
 constexpr int kSmemScaleA = kSmemM + 256;            // float[64]
 constexpr int kSmemScaleB = kSmemScaleA + 256;       // float[64]
 constexpr int kSmemSum = kSmemScaleB + 256;          // float[2][64]
-constexpr int kSmemBar = kSmemSum + 512;             // 2 x 9 mbarriers
-constexpr int kSmemUsed = kSmemBar + 2 * kChunks * 8;
+constexpr int kSmemBar = kSmemSum + 512;             // 2 x 9 mbarriers, then Q's
+constexpr int kSmemUsed = kSmemBar + (2 * kChunks + 1) * 8;  // + the Q tile's
 constexpr int kSmemAlloc = kSmemUsed + 1024;
 static_assert(kSmemAlloc <= 232448, "shared memory over the sm_90 limit");
 
@@ -265,7 +266,8 @@ __device__ __forceinline__ void zero_tail(uint32_t stage, int half, int valid, i
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
-    mla_verify_sm90_pair_kernel(const __grid_constant__ CUtensorMap kv_map, const Params p) {
+    mla_verify_sm90_pair_kernel(const __grid_constant__ CUtensorMap kv_map,
+                                const __grid_constant__ CUtensorMap q_map, const Params p) {
   using namespace pair;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -284,49 +286,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b = blockIdx.z;
   const int m0 = blockIdx.x * 64;
   const long row_base = static_cast<long>(b) * p.rows_per_req + m0;
-  const int seq_len = p.seq_lens[b];
-  // Q chunks 0..7 (-> shared memory below) and the rope chunk 8, which stays in registers as the A
-  // fragment of its four Q·K^T wgmmas (fp8: both as fp16 / 16). With a bf16 cache the loads go out
-  // before this CTA's KV stream: issued after it, they queued behind every CTA's first two blocks
-  // and took 7-9 us at 128 CTAs (mla_breakdown.py --timeline); now ~1.3 us. Split 0 issues them
-  // even before it knows its length (it reads blocks unless the request is empty); the other
-  // splits only once they know they have blocks, since a CTA with none would wait for its loads
-  // before it could exit (at 48 heads, batch 32, 1K context, 288 of 384 CTAs have none). fp8 keeps
-  // the old order: the early loads made ptxas spill more inside its main loop (2% slower at 32K).
-  QTileRegs<8> q_tile;
-  uint32_t q8[16];
-  auto load_q = [&] {
-    q_tile.load(p, row_base, m0, tid);
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(p.q);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = r0 + 8 * (i & 1);
-        const int col = 512 + 16 * k + 8 * (i >> 1) + 2 * quad;
-        const uint32_t v = m0 + r < p.rows_per_req ? __ldg(q + ((row_base + r) * kD + col) / 2) : 0u;
-        q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
-      }
+  const uint32_t bar0 = sbase + kSmemBar;  // chunk c of stage s: bar0 + 8 * (9 s + c)
+  const uint32_t qbar = bar0 + 8 * 2 * kChunks;
+  // The Q tile comes by TMA, issued with the KV stream once the CTA knows it has blocks (a CTA
+  // must not exit while a TMA still writes its shared memory, and at 48 heads, batch 32, 1K context
+  // 288 of 384 CTAs have none): chunks 0..7 to shared memory, the rope chunk 8 to P_B's tile (free
+  // until warpgroup 1's first P_B), from where each thread reads its A fragment of the chunk's four
+  // Q·K^T wgmmas into registers (q8). Through registers, Q's 32 loads a thread queued ahead of the
+  // length and the first page, so the KV stream started 2.3 us after entry at 48 heads, batch 32,
+  // 1K context; now 0.85 us (mla_breakdown.py --timeline). Issuing Q at entry, before the length,
+  // was no faster and made the fp8 instance spill more (mla_ab_h200.json, session 10). The last
+  // M tile's rows past the request hold the next request's Q (zeros past the tensor): their
+  // visible length is 0, so their scores are masked, and they are never stored.
+  auto issue_q = [&] {
+    mbar_expect_tx(qbar, kChunks * kChunkBytes);
+    for (int c = 0; c < kChunks; ++c)
+      tma_load_2d_keep(sbase + (c < 8 ? kSmemQ + c * kChunkBytes : kSmemPB), &q_map, c * 64,
+                       static_cast<int>(row_base), qbar);
   };
-  if (!kFp8 && blockIdx.y == 0) load_q();
+  if (tid == 0) {
+    for (int i = 0; i < 2 * kChunks + 1; ++i) mbar_init(bar0 + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  const int seq_len = p.seq_lens[b];
   const SplitRange sr = split_range(p, seq_len, blockIdx.y);
   if (sr.nblk == 0) {
     write_unseen(p, row_base, m0, blockIdx.y, sr.split_out(), tid);
     return;
   }
   const int nblk = sr.nblk, blo = sr.blo, n = sr.n;
-  if (!kFp8 && blockIdx.y != 0) load_q();
-
-  const uint32_t bar0 = sbase + kSmemBar;  // chunk c of stage s: bar0 + 8 * (9 s + c)
-  if (tid == 0) {
-    for (int i = 0; i < 2 * kChunks; ++i) mbar_init(bar0 + 8 * i, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
-  }
-  __syncthreads();
+  const int* bt = p.block_table + static_cast<long>(b) * p.bt_stride + blo;
+  if (tid == 0) issue_q();
+  __syncthreads();  // the mbarriers are initialised
   MLA_STAMP(tid == 0, 2, clock_now());
 
-  const int* bt = p.block_table + static_cast<long>(b) * p.bt_stride + blo;
   auto issue = [&](int blk, int page, int c_lo, int c_hi, bool rope) {
     const int stage = blk & 1;
     for (int c = c_lo; c <= (rope ? c_hi + 1 : c_hi); ++c) {
@@ -342,10 +336,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (nblk > 1) issue(1, __ldg(bt + 1), 0, 7, true);
   }
 
-  if (kFp8) load_q();
-  q_tile.store<kFp8>(sbase + kSmemQ, tid);
-  fence_proxy_async();
-  __syncthreads();
+  mbar_wait(qbar, 0, p.err, 2, 0, 0);
+  uint32_t q8[16];  // fragment register 4k+i: row r0 + 8(i&1), tokens 16k + 8(i>>1) + 2quad, +1
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_shared_u32(sbase + kSmemPB + sw128_off(r0 + 8 * (i & 1), 2 * k + (i >> 1)) + quad * 4);
+      q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
+    }
+  if (kFp8) {  // the fp8 path's MMAs run in fp16: Q / 16 in place (elementwise, so the swizzle holds)
+#pragma unroll 4
+    for (int i = tid; i < 8 * kChunkBytes / 16; i += kThreads) {
+      const uint32_t a = sbase + kSmemQ + 16 * i;
+      const uint4 w = ld_shared_v4(a);
+      st_shared(a, make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
+                              bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w)));
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();  // q8 read before P_B is written; fp8: Q converted
   MLA_STAMP(tid == 0, 3, clock_now());
 
   int vis[2];
@@ -526,14 +536,14 @@ cudaError_t timeline_copy(void* dst, size_t bytes) {
 }
 #endif
 
-cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
-                        cudaStream_t stream) {
+cudaError_t launch_pair(const CUtensorMap& kv_map, const CUtensorMap& q_map, const Params& p,
+                        dim3 grid, bool fp8, cudaStream_t stream) {
   static const cudaError_t allowed[2] = {
       allow_smem(mla_verify_sm90_pair_kernel<false>, pair::kSmemAlloc),
       allow_smem(mla_verify_sm90_pair_kernel<true>, pair::kSmemAlloc)};
   if (allowed[fp8] != cudaSuccess) return allowed[fp8];
   const auto fn = fp8 ? mla_verify_sm90_pair_kernel<true> : mla_verify_sm90_pair_kernel<false>;
-  fn<<<grid, kThreads, pair::kSmemAlloc, stream>>>(kv_map, p);
+  fn<<<grid, kThreads, pair::kSmemAlloc, stream>>>(kv_map, q_map, p);
   return cudaGetLastError();
 }
 

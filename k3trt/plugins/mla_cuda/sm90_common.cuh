@@ -128,6 +128,16 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// The same without the cache hint: the Q tile, which every split of its M tile reads.
+__device__ __forceinline__ void tma_load_2d_keep(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                                 uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
 // Programmatic dependent launch (sm_90): the verify kernels let the merge kernel, launched with the
 // programmatic-serialization attribute, start while their last CTAs still run (launch_dependents at
 // entry); the merge waits for the verify grid to complete and its writes to be visible (pdl_wait)
@@ -180,6 +190,11 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "r"(addr)
                : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
@@ -448,8 +463,9 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-// launches the pair-schedule kernel (mla_verify_sm90_pair.cu); a CUDA error code
-cudaError_t launch_pair(const CUtensorMap& kv_map, const Params& p, dim3 grid, bool fp8,
-                        cudaStream_t stream);
+// launches the pair-schedule kernel (mla_verify_sm90_pair.cu); q_map: Q as [B*Q*H, 576] bf16 rows,
+// 64x64 boxes, 128-byte swizzle; a CUDA error code
+cudaError_t launch_pair(const CUtensorMap& kv_map, const CUtensorMap& q_map, const Params& p,
+                        dim3 grid, bool fp8, cudaStream_t stream);
 
 }  // namespace k3mla
