@@ -9,7 +9,8 @@ same run.
 
 Prints µs per call for each build, B's fraction of the roofline and each A / B (> 1: B is faster).
 An --a is labelled A, A2, A3, ... unless given as name=folder. A --variant runs the tree's build
-with another schedule (name=schedule), timed and compared like an --a.
+with another schedule and launch options (name=schedule[:option=int,...]), timed and compared
+like an --a.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--a", action="append", default=[],
                     help="[name=]folder with a baseline's mla_cuda sources (repeatable)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="name=schedule: the tree's build run so (repeatable)")
+                    help="name=schedule[:option=int,...]: the tree's build run so, e.g. "
+                         "nofuse=pair:fused_merge=0,tail_q=0 (repeatable)")
     ap.add_argument("--cells", default="12:32:8192,12:128:1024,12:128:8192,48:32:1024,96:32:8192")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--json", default=None)
@@ -45,8 +47,10 @@ def main(argv=None) -> int:
         exts[label or ("A" if i == 0 else f"A{i + 1}")] = (
             mla_cuda.load_extension(src_dir=folder), {})
     for spec in args.variant:
-        label, _, schedule = spec.partition("=")
-        exts[label] = (mla_cuda.load_extension(), dict(schedule=schedule))
+        label, _, rest = spec.partition("=")
+        schedule, _, opts = rest.partition(":")
+        extra = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+        exts[label] = (mla_cuda.load_extension(), dict(schedule=schedule, **extra))
     exts["B"] = (mla_cuda.load_extension(), {})
     bases = [k for k in exts if k != "B"]
     ceil = measure()
