@@ -34,7 +34,7 @@ def main(argv=None) -> int:
                     help="[name=]folder with a baseline's mla_cuda sources (repeatable)")
     ap.add_argument("--variant", action="append", default=[],
                     help="name=schedule[:option=int,...]: the tree's build run so, e.g. "
-                         "nofuse=pair:fused_merge=0,tail_q=0 (repeatable)")
+                         "wide=pair:min_split_blocks=1,max_spread=8 (repeatable)")
     ap.add_argument("--cells", default="12:32:8192,12:128:1024,12:128:8192,48:32:1024,96:32:8192")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--json", default=None)
