@@ -225,8 +225,13 @@ __device__ __forceinline__ void pack_a(const float* s, uint32_t* a) {
     for (int i = 0; i < 4; ++i) a[4 * k + i] = pack2(s[8 * k + 2 * i], s[8 * k + 2 * i + 1], kF16);
 }
 
-// P -> shared 64x64 tile (K-major, 128-byte swizzle), from its A fragment (bf16 pairs) times a
-// per-row factor: fragment register 4k+i holds row r0 + 8(i&1), tokens 16k + 8(i>>1) + 2quad, +1
+// byte offset, in a 64x64 16-bit tile (K-major, 128-byte swizzle), of A-fragment register 4k+i:
+// row r0 + 8(i&1), columns 16k + 8(i>>1) + 2quad, +1
+__device__ __forceinline__ int frag_off(int k, int i, int r0, int quad) {
+  return sw128_off(r0 + 8 * (i & 1), 2 * k + (i >> 1)) + quad * 4;
+}
+
+// P -> shared 64x64 tile from its A fragment (16-bit pairs) times a per-row factor
 template <bool kF16>
 __device__ __forceinline__ void store_p(uint32_t tile, const uint32_t* a, const float* f, int r0,
                                         int quad) {
@@ -241,7 +246,7 @@ __device__ __forceinline__ void store_p(uint32_t tile, const uint32_t* a, const 
                               : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
         v = pack2(x.x * f[h], x.y * f[h], kF16);
       }
-      st_shared(tile + sw128_off(r0 + 8 * h, 2 * k + (i >> 1)) + quad * 4, v);
+      st_shared(tile + frag_off(k, i, r0, quad), v);
     }
 }
 
@@ -301,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue_q = [&] {
     mbar_expect_tx(qbar, kChunks * kChunkBytes);
     for (int c = 0; c < kChunks; ++c)
-      tma_load_2d_keep(sbase + (c < 8 ? kSmemQ + c * kChunkBytes : kSmemPB), &q_map, c * 64,
+      tma_load_2d<false>(sbase + (c < 8 ? kSmemQ + c * kChunkBytes : kSmemPB), &q_map, c * 64,
                        static_cast<int>(row_base), qbar);
   };
   if (tid == 0) {
@@ -337,21 +342,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   mbar_wait(qbar, 0, p.err, 2, 0, 0);
-  uint32_t q8[16];  // fragment register 4k+i: row r0 + 8(i&1), tokens 16k + 8(i>>1) + 2quad, +1
+  uint32_t q8[16];  // the rope chunk's A fragment (frag_off)
 #pragma unroll
   for (int k = 0; k < 4; ++k)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t v = ld_shared_u32(sbase + kSmemPB + sw128_off(r0 + 8 * (i & 1), 2 * k + (i >> 1)) + quad * 4);
+      const uint32_t v = ld_shared_u32(sbase + kSmemPB + frag_off(k, i, r0, quad));
       q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
     }
-  if (kFp8) {  // the fp8 path's MMAs run in fp16: Q / 16 in place (elementwise, so the swizzle holds)
+  if (kFp8) {  // the fp8 path's MMAs run in fp16: Q / 16 in place (elementwise: the swizzle holds)
 #pragma unroll 4
     for (int i = tid; i < 8 * kChunkBytes / 16; i += kThreads) {
       const uint32_t a = sbase + kSmemQ + 16 * i;
-      const uint4 w = ld_shared_v4(a);
-      st_shared(a, make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
-                              bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w)));
+      st_shared(a, bf16x8_to_f16x8_div16(ld_shared_v4(a)));
     }
     fence_proxy_async();
   }

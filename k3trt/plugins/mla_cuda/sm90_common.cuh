@@ -117,25 +117,26 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* er
 // 1-3% at batch 128 / 1K. It costs 0.5-1.5% at 48 / 96 heads, batch 128, 1K, whose M tiles read
 // the same pages in different waves; picking the policy at run time was slower everywhere (the
 // branch at each issue), so all cells take evict-first (mla_ab_h200.json runs 7, 9, 10).
+// kEvictFirst = false: no cache hint (the pair kernel's Q tile, which every split of its M tile
+// reads).
+template <bool kEvictFirst = true>
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
                                             uint32_t bar) {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "l"(policy)
-      : "memory");
-}
-
-// The same without the cache hint: the Q tile, which every split of its M tile reads.
-__device__ __forceinline__ void tma_load_2d_keep(uint32_t dst, const CUtensorMap* map, int x, int y,
-                                                 uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
+  if (kEvictFirst) {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "l"(policy)
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+  }
 }
 
 // Programmatic dependent launch (sm_90): the verify kernels let the merge kernel, launched with the
@@ -251,6 +252,10 @@ __device__ __forceinline__ uint32_t bf16x2_to_f16x2_div16(uint32_t v) {
   const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
   return pack2(f.x * 0.0625f, f.y * 0.0625f, true);
 }
+__device__ __forceinline__ uint4 bf16x8_to_f16x8_div16(uint4 w) {
+  return make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
+                    bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w));
+}
 
 // Visible length of this thread's two accumulator rows r0, r0 + 8 of the M tile at m0: folded row
 // m = j*H + h sees n - (Q-1-j) tokens; rows past the request's see none.
@@ -267,8 +272,8 @@ __device__ __forceinline__ void visible_lengths(const Params& p, int n, int m0, 
 // 128 B with the 128-byte swizzle (the wgmma A layout); rows past the request's are zero. Issuing
 // all loads before the first store makes the tile cost one memory latency rather than one per
 // piece. (The shared-block kernel's Q; the pair kernel's comes by TMA, which took the KV stream's
-// start from 2.3 to 0.85 us after a CTA's entry.) kToF16: bf16 -> fp16 scaled by 1/16 (the fp8 path's Q; the kernel folds the 16 back into its
-// softmax scale).
+// start from 2.3 to 0.85 us after a CTA's entry.) kToF16: bf16 -> fp16 scaled by 1/16 (the fp8
+// path's Q; the kernel folds the 16 back into its softmax scale).
 template <int kChunksQ>
 struct QTileRegs {
   static constexpr int kRowPieces = kChunksQ * 8;          // 16-byte pieces per row
@@ -294,9 +299,7 @@ struct QTileRegs {
       const int i = tid + kThreads * k;
       const int r = i / kRowPieces, pc = i % kRowPieces;
       uint4 w = v[k];
-      if (kToF16)
-        w = make_uint4(bf16x2_to_f16x2_div16(w.x), bf16x2_to_f16x2_div16(w.y),
-                       bf16x2_to_f16x2_div16(w.z), bf16x2_to_f16x2_div16(w.w));
+      if (kToF16) w = bf16x8_to_f16x8_div16(w);
       st_shared(dst + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7), w);
     }
   }
