@@ -149,6 +149,48 @@ def test_next_kernel_sees_the_whole_output_after_a_merge_with_nothing_to_merge()
         assert torch.equal(out, first)
 
 
+def test_pair_kernel_is_bitwise_repeatable():
+    """The result may not depend on timing (which warpgroup's chunks land first, which CTAs run
+    together, which warps skip a rescale): repeated calls agree bit for bit, and with the
+    reference. 48 heads, 24 requests of mixed lengths, split-K and the merge included."""
+    from k3trt.plugins import mla_cuda
+    from k3trt.plugins.mla_verify import mla_verify_ref
+    g = torch.Generator().manual_seed(5)
+    case = _case(tuple(int(x) for x in torch.randint(1, 4000, (24,), generator=g)), 48, None)
+    q, cache, table, seq_lens, _ = make_inputs(case, seed=4, device="cuda")
+    args = (q, cache, table, seq_lens, 4, case.width ** -0.5, 1.0, case.d_v)
+    out, lse = mla_cuda.mla_verify_cuda(*args)
+    check(out, lse, *mla_verify_ref(*args))
+    for _ in range(20):
+        again, again_lse = mla_cuda.mla_verify_cuda(*args)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@pytest.mark.parametrize("splits", [1, None])
+@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("schedule", ["shared", "pair"])
+def test_running_max_jumps(schedule, kv, splits):
+    """The pair kernel keeps a row's running max until a block's max passes it by more than a
+    factor of 2^8 (lazy rescaling): here single tokens' rope keys are scaled up so that rows'
+    maxima jump late in the sequence by less (~120 row-head-blocks) and by more (~40, in blocks
+    3, 5, 10, 14, 35: both warpgroups' blocks) than that, while V (the latent's first 512)
+    stays as drawn."""
+    from k3trt.plugins import mla_cuda
+    from k3trt.plugins.mla_verify import mla_verify_ref
+    case = _case((1000, 2500, 130, 64), 12, kv)
+    q, cache, table, seq_lens, _ = make_inputs(case, seed=6, device="cuda")
+    jumps = [(70, 4.0), (200, 12.0), (330, 30.0), (650, 12.0), (900, 30.0), (2300, 20.0)]
+    for b, n in enumerate(case.lens):
+        for t, gain in jumps:
+            if t < n:
+                page, slot = int(table[b, t // case.page]), t % case.page
+                row = cache[page, slot, 512:].float() * gain
+                cache[page, slot, 512:] = row.to(cache.dtype)
+    args = (q, cache, table, seq_lens, 4, case.width ** -0.5, case.kv_scale, case.d_v)
+    out, lse = mla_cuda.mla_verify_cuda(*args, num_splits=splits, schedule=schedule)
+    check(out, lse, *mla_verify_ref(*args))
+
+
 @pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
 def test_q_tile_reads_only_its_rows(kv):
     """The pair kernel's Q tile comes by TMA, from a tensor map over Q's own rows: here Q is a view
