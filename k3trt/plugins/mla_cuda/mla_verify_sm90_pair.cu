@@ -444,9 +444,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         sb[h] = ld_shared_f32(sScaleB + 32 * h);
         m_run[h] = ld_shared_f32(sM + 32 * h);
       }
-      // (fp8: always; the branch there costs warpgroup 0 registers that it spills)
+      // (fp8: always; the branch there costs warpgroup 0 registers that it spills. Two calls: a
+      // factor pointer chosen at run time would put sb in local memory)
       const bool rescale_b = kFp8 || warp_not_one(sb);
-      store_p<kFp8>(sbase + kSmemPA, pa, rescale_b ? sb : nullptr, r0, quad);
+      if (rescale_b) store_p<kFp8>(sbase + kSmemPA, pa, sb, r0, quad);
+      else store_p<kFp8>(sbase + kSmemPA, pa, nullptr, r0, quad);
       fence_proxy_async();
       named_arrive(kBarPAWritten);
       wgmma_wait<0>();
