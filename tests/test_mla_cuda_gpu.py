@@ -40,11 +40,14 @@ def cases():
     return out
 
 
-def run(case, splits, seed, schedule, **launch):
+def run(case, splits, seed, schedule, edit=None, **launch):
+    """(out, lse, ref_out, ref_lse); edit(cache, table), if given, changes the cache in place first."""
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
 
     q, cache, table, seq_lens, _ = make_inputs(case, seed=seed, device="cuda")
+    if edit is not None:
+        edit(cache, table)
     scale = case.width ** -0.5
     out = torch.full((q.shape[0], case.heads, case.d_v), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
@@ -175,20 +178,18 @@ def test_running_max_jumps(schedule, kv, splits):
     maxima jump late in the sequence by less (~120 row-head-blocks) and by more (~40, in blocks
     3, 5, 10, 14, 35: both warpgroups' blocks) than that, while V (the latent's first 512)
     stays as drawn."""
-    from k3trt.plugins import mla_cuda
-    from k3trt.plugins.mla_verify import mla_verify_ref
     case = _case((1000, 2500, 130, 64), 12, kv)
-    q, cache, table, seq_lens, _ = make_inputs(case, seed=6, device="cuda")
     jumps = [(70, 4.0), (200, 12.0), (330, 30.0), (650, 12.0), (900, 30.0), (2300, 20.0)]
-    for b, n in enumerate(case.lens):
-        for t, gain in jumps:
-            if t < n:
-                page, slot = int(table[b, t // case.page]), t % case.page
-                row = cache[page, slot, 512:].float() * gain
-                cache[page, slot, 512:] = row.to(cache.dtype)
-    args = (q, cache, table, seq_lens, 4, case.width ** -0.5, case.kv_scale, case.d_v)
-    out, lse = mla_cuda.mla_verify_cuda(*args, num_splits=splits, schedule=schedule)
-    check(out, lse, *mla_verify_ref(*args))
+
+    def scale_rope_keys(cache, table):
+        for b, n in enumerate(case.lens):
+            for t, gain in jumps:
+                if t < n:
+                    page, slot = int(table[b, t // case.page]), t % case.page
+                    row = cache[page, slot, 512:].float() * gain
+                    cache[page, slot, 512:] = row.to(cache.dtype)
+
+    check(*run(case, splits, seed=6, schedule=schedule, edit=scale_rope_keys))
 
 
 @pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
