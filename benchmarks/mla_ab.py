@@ -23,7 +23,7 @@ import torch
 
 from ceilings import measure
 from mla_cuda_check import compare, interleaved_graph_us
-from mla_verify import make_cache
+from mla_verify import make_cache, parse_cells
 
 Q_ROWS, D_QK, D_V = 4, 576, 512
 
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    cells = parse_cells(args.cells, "--cells")  # (before the builds: a typo fails at once)
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
     exts = {}  # label -> (build, launch options)
@@ -60,8 +61,7 @@ def main(argv=None) -> int:
           + " ".join(f"{k + '/B':>6}" for k in bases) + " errors (max rel.)")
     rows = []
     for kv in args.kv.split(","):
-        for cell in args.cells.split(","):
-            heads, batch, ctx = (int(x) for x in cell.split(":"))
+        for heads, batch, ctx in cells:
             inp = make_cache(batch, ctx, kv)
             kv_scale = 0.25 if kv == "fp8" else 1.0
             q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)

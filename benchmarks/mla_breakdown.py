@@ -21,7 +21,7 @@ import sys
 import torch
 
 from ceilings import measure
-from mla_verify import make_cache, replay_us, capture_graph
+from mla_verify import capture_graph, make_cache, parse_cells, replay_us
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
 
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
                     help="also run the diagnostic build once per case and print per-CTA phase times "
                          "(µs: median, p90, max)")
     args = ap.parse_args(argv)
+    cells = parse_cells(args.cells, "--cells")  # (before the build: a typo fails at once)
     from k3trt.plugins import mla_cuda
     mla_cuda.load_extension()
     ceil = measure()
@@ -90,8 +91,7 @@ def main(argv=None) -> int:
     hdr = f"{'H':>3} {'B':>4} {'ctx':>6} {'splits':>6} {'verify':>8} {'merge':>7} {'sum':>8} " \
           f"{'graph':>8} {'KV@copy':>8} {'us/page':>8}"
     print(hdr)
-    for cell in args.cells.split(","):
-        heads, batch, ctx = (int(x) for x in cell.split(":"))
+    for heads, batch, ctx in cells:
         inp = make_cache(batch, ctx, "bf16")
         q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
         auto = mla_cuda.default_splits(batch, Q_ROWS, heads)

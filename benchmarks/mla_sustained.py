@@ -23,7 +23,7 @@ import time
 import torch
 
 from ceilings import measure
-from mla_verify import D_QK, D_V, Q_ROWS, make_cache
+from mla_verify import D_QK, D_V, Q_ROWS, make_cache, parse_cells
 
 
 class Sampler:
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    cells = parse_cells(args.cells, "--cells")  # (before the GPU work: a typo fails at once)
     ceil = measure()
     print(json.dumps(ceil), flush=True)
     sampler = Sampler()
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
     try:
         print(f"{'H':>3} {'B':>4} {'ctx':>6} {'t (s)':>6} {'calls':>6} {'us':>9} {'SM MHz':>7} "
               f"{'W':>6}")
-        for spec in args.cells.split(","):
-            heads, batch, ctx = (int(x) for x in spec.split(":"))
+        for heads, batch, ctx in cells:
             rows = run_cell(heads, batch, ctx, args.seconds, args.windows, sampler)
             for r in rows:
                 print(f"{heads:>3} {batch:>4} {ctx:>6} {r['window_s']:>6} {r['calls']:>6} "

@@ -46,6 +46,17 @@ FLASHMLA_US = {
     (96, 128, 1024): 209.8, (96, 128, 8192): 1493.8, (96, 128, 32768): 5981.3}
 
 
+def parse_cells(text: str, flag: str, sep: str = ",") -> list[tuple[int, int, int]]:
+    """heads:batch:ctx cells separated by sep; a malformed one is named with its flag."""
+    cells = []
+    for cell in (c for c in text.split(sep) if c):
+        parts = cell.split(":")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"{flag}: cell {cell!r} is not heads:batch:ctx (three positive integers)")
+        cells.append(tuple(int(p) for p in parts))
+    return cells
+
+
 def parse_config(spec: str, rows: int):
     """'n64w4s2d2' (BLOCK_N 64, 4 warps, 2 stages, d_v split over 2 programs; 'd' optional)
     → KernelConfig for `rows` folded rows."""
@@ -254,7 +265,7 @@ def main(argv=None):
 
     kvs, specs = args.kv.split(","), args.configs.split(",")
     shapes = [(h, b, c) for b in args.batch for c in args.ctx for h in args.heads]
-    shapes += [tuple(int(x) for x in e.split(":")) for e in args.extra.split(";") if e]
+    shapes += parse_cells(args.extra, "--extra", sep=";")
     keys = {}
     for s, kv, h, q, split in itertools.product([x for x in specs if x != "cuda"], kvs,
                                                 {x[0] for x in shapes},
