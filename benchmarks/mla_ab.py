@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                     return mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS,
                                                     192 ** -0.5, kv_scale, D_V, ext=ext, **kw)
                 out, lse = call()
-                c = compare(out[:2 * Q_ROWS], lse[:2 * Q_ROWS], *ref, f"{label} {kv} {cell}")
+                c = compare(out[:2 * Q_ROWS], lse[:2 * Q_ROWS], *ref, f"{label} {kv} {heads}:{batch}:{ctx}")
                 errs[label] = c["rel_err"] if c["ok"] else f"BAD {c['rel_err']}"
                 calls[label] = call
             us = interleaved_graph_us(calls)
