@@ -232,11 +232,16 @@ __device__ __forceinline__ int sw128_off(int row, int piece) {
   return row * 128 + ((piece ^ (row & 7)) << 4);
 }
 
-// 8 fp8-e4m3 (two u32) -> 8 fp16 (one uint4)
-__device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v16) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v16 & 0xFFFF),
-                                             __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// 2 fp8-e4m3 (the low or, kHigh, the high 16 bits of v) -> 2 fp16 (one u32). Through PTX's
+// half-register operand ptxas picks the half with F2FP's .H1 selector; the intrinsic on v >> 16 cost
+// one more integer instruction per pair, and the fp8 expansion is bound by its issue slots
+// (mla_ab_h200.json runs 30-32)
+template <bool kHigh>
+__device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v) {
+  uint32_t d;
+  if (kHigh) asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(d) : "r"(v));
+  else asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(d) : "r"(v));
+  return d;
 }
 
 // The dynamic shared memory, its base rounded up to 1024 bytes (the 128-byte swizzle's atom): the
@@ -315,8 +320,8 @@ __device__ __forceinline__ void load_q_tile(const Params& p, uint32_t dst, long 
 
 // 16 fp8-e4m3 (two u32 pairs) -> 8 fp16 (one uint4)
 __device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
-  return make_uint4(e4m3x2_to_h2(lo), e4m3x2_to_h2(lo >> 16), e4m3x2_to_h2(hi),
-                    e4m3x2_to_h2(hi >> 16));
+  return make_uint4(e4m3x2_to_h2<false>(lo), e4m3x2_to_h2<true>(lo), e4m3x2_to_h2<false>(hi),
+                    e4m3x2_to_h2<true>(hi));
 }
 
 // How many splits a request of n tokens spreads over (SplitRule); the merge reads only these, and
