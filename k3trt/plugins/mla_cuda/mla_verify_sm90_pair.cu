@@ -10,12 +10,14 @@
 //   WG0: (m_B)  P_A' = P_A * scale_B -> smem;  O_0 *= scale_B;  O_0 += P_B V_B[:, 0:256] (smem)
 //   then each issues the next pair's Q·K^T (WG0 on A+2, WG1 on B+2) as its chunks land.
 // The running max is lazy (kLazyMax), so the scale factors are almost always 1 and skipped.
+// (fp8: WG1 runs B's softmax and P·V against its own max before it reads m_A, and rescales in the
+// rare pair where A moved the max past it; see the WG1 loop.)
 //
-// The row maxima and rescale factors go through shared memory, ordered by four named barriers
-// (A ready, B ready, P_A written, WG1's P·V issued). Each warpgroup reloads (TMA) the chunks of a
-// stage as soon as its last wgmma reading them has completed: WG0 value chunks 0..3 (+ the rope
-// chunk of A), WG1 value chunks 4..7 (+ the rope chunk of B), and multiplies the chunks it
-// reloaded first.
+// The row maxima go through shared memory (WG0's after A, WG1's after B; each warpgroup derives its
+// factors from the two), ordered by four named barriers (A ready, B ready, P_A written, WG1's P·V
+// issued). Each warpgroup reloads (TMA) the chunks of a stage as soon as its last wgmma reading
+// them has completed: WG0 value chunks 0..3 (+ the rope chunk of A), WG1 value chunks 4..7 (+ the
+// rope chunk of B), and multiplies the chunks it reloaded first.
 //
 // Shared memory (226 KB): Q chunks 0..7 (64 KB; the rope chunk 8 of Q is held in registers as
 // the A fragment of its four QK^T wgmmas, which frees 8 KB: TMA lands it in P_B's tile, which is
@@ -67,10 +69,9 @@ constexpr int kSmemQ = 0;                            // Q chunks 0..7
 constexpr int kSmemKV = 8 * kChunkBytes;             // 2 stages of 9 chunks
 constexpr int kSmemPA = kSmemKV + 2 * kBlockBytes;   // P_A' (64x64 bf16, swizzled, K-major)
 constexpr int kSmemPB = kSmemPA + kChunkBytes;       // P_B
-constexpr int kSmemM = kSmemPB + kChunkBytes;        // float[64] running row max
-constexpr int kSmemScaleA = kSmemM + 256;            // float[64]
-constexpr int kSmemScaleB = kSmemScaleA + 256;       // float[64]
-constexpr int kSmemSum = kSmemScaleB + 256;          // float[2][64]
+constexpr int kSmemMA = kSmemPB + kChunkBytes;       // float[64]: warpgroup 0's max after A
+constexpr int kSmemMB = kSmemMA + 256;               // float[64]: warpgroup 1's max after B
+constexpr int kSmemSum = kSmemMB + 256;              // float[2][64]
 constexpr int kSmemBar = kSmemSum + 512;             // 2 x 9 mbarriers, then Q's
 constexpr int kSmemUsed = kSmemBar + (2 * kChunks + 1) * 8;  // + the Q tile's
 constexpr int kSmemAlloc = kSmemUsed + 1024;
@@ -78,10 +79,20 @@ static_assert(kSmemAlloc <= 232448, "shared memory over the sm_90 limit");
 
 // named barriers (0 is __syncthreads)
 constexpr int kBarAReady = 1, kBarBReady = 2, kBarPAWritten = 3, kBarWG1Issued = 4, kBarSum = 5,
-              kBarExpand = 6;  // + warpgroup: its 128 threads only (fp8 expansion)
+              kBarExpand = 6,  // + warpgroup: its 128 threads only (fp8 expansion)
+              kBarWG1Vote = 8;  // warpgroup 1's 128 threads: a rescale after its P·V of B
 
 __device__ __forceinline__ void named_arrive(int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kThreads) : "memory");
+}
+
+// whether v holds for any of one warpgroup's 128 threads (barrier id: that warpgroup's own)
+__device__ __forceinline__ bool warpgroup_any(bool v, int id) {
+  uint32_t r;
+  asm volatile(
+      "{.reg .pred p, q; setp.ne.u32 p, %1, 0; bar.red.or.pred q, %2, 128, p; selp.u32 %0, 1, 0, q;}"
+      : "=r"(r) : "r"(static_cast<uint32_t>(v)), "r"(id) : "memory");
+  return r != 0;
 }
 
 // the wgmma shapes of this kernel for 16-bit inputs: bf16 (bf16 cache) or fp16 (fp8 cache, expanded)
@@ -261,6 +272,12 @@ constexpr float kLazyMax = 8.f;
 __device__ __forceinline__ float lazy_max(float m_run, float mx) {
   return mx > m_run + kLazyMax ? mx : m_run;  // (m_run = -inf: any finite mx)
 }
+// the factor taking a row's sums from max m_old to m_new >= m_old: exactly 1 when the max did not
+// move, and when it was -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
+// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 did not)
+__device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
+  return m_old == m_new || m_old == -INFINITY ? 1.f : fast_exp2(m_old - m_new);
+}
 __device__ __forceinline__ bool warp_not_one(const float* f) {
   return __any_sync(~0u, f[0] != 1.f || f[1] != 1.f);
 }
@@ -386,8 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m_run[2] = {-INFINITY, -INFINITY};
   float lsum[2] = {0.f, 0.f};
   // this thread's rows in the shared row statistics (32-bit shared addresses)
-  const uint32_t sM = sbase + kSmemM + 4 * r0, sScaleA = sbase + kSmemScaleA + 4 * r0,
-                 sScaleB = sbase + kSmemScaleB + 4 * r0;
+  const uint32_t sMA = sbase + kSmemMA + 4 * r0, sMB = sbase + kSmemMB + 4 * r0;
   const uint32_t kv0 = sbase + kSmemKV, kv1 = kv0 + kBlockBytes;
   const int npairs = (nblk + 1) / 2;
   const int tail_blk = (n - 1) / kPage - blo;  // local index of the sequence's last block
@@ -411,21 +427,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
       }
       // softmax of A against the running max
-      float mx[2], mu[2], sa[2], ps[2];
+      float mx[2], mu[2], sa[2], ps[2], ma[2];
       mask_rowmax<8>(s, (blo + ia) * kPage, vis, p.scale_log2, quad, mx);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float mnew = lazy_max(m_run[h], mx[h]);
-        mu[h] = mnew == -INFINITY ? 0.f : mnew;
-        sa[h] = fast_exp2(m_run[h] - mu[h]);
-        m_run[h] = mnew;
+        ma[h] = lazy_max(m_run[h], mx[h]);
+        mu[h] = ma[h] == -INFINITY ? 0.f : ma[h];
+        sa[h] = rescale_factor(m_run[h], ma[h]);
       }
       if (quad == 0) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          st_shared(sM + 32 * h, m_run[h]);
-          st_shared(sScaleA + 32 * h, sa[h]);
-        }
+        for (int h = 0; h < 2; ++h) st_shared(sMA + 32 * h, ma[h]);
       }
       named_arrive(kBarAReady);
       exp_rows(s, mu, ps);
@@ -436,13 +448,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (ia == tail_blk) zero_tail(kv0, 0, n - (blo + ia) * kPage, t);
       pv_regs<kFp8>(acc, pa, kv0, 0);
 
-      // B's max -> P_A rescaled to it for WG1, and our accumulator too
+      // the pair's max (ours after A, WG1's after B) -> P_A rescaled to it for WG1, and our
+      // accumulator too
       named_bar(kBarBReady, kThreads);
       float sb[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sb[h] = ld_shared_f32(sScaleB + 32 * h);
-        m_run[h] = ld_shared_f32(sM + 32 * h);
+        m_run[h] = fmaxf(ma[h], ld_shared_f32(sMB + 32 * h));
+        sb[h] = rescale_factor(ma[h], m_run[h]);
       }
       // (fp8: always; the branch there costs warpgroup 0 registers that it spills. Two calls: a
       // factor pointer chosen at run time would put sb in local memory)
@@ -488,41 +501,94 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (ia + 2 < nblk) pg_a = __ldg(bt + ia + 2);
         if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
       }
-      float mx[2], mu[2], sb[2], f[2];
+      float mx[2], mu[2], mb[2];
       if (has_b) mask_rowmax<8>(s, (blo + ib) * kPage, vis, p.scale_log2, quad, mx);
-      named_bar(kBarAReady, kThreads);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float ma = ld_shared_f32(sM + 32 * h);
-        const float mnew = has_b ? lazy_max(ma, mx[h]) : ma;
-        mu[h] = mnew == -INFINITY ? 0.f : mnew;
-        sb[h] = has_b ? fast_exp2(ma - mu[h]) : 1.f;
-        f[h] = ld_shared_f32(sScaleA + 32 * h) * sb[h];
-        m_run[h] = mnew;
-      }
-      __syncwarp();  // every lane has read sM before the quad leaders overwrite it
-      if (quad == 0) {
+      if (!kFp8) {
+        // softmax of B against WG0's max after A: the pair's max is ours after B
+        named_bar(kBarAReady, kThreads);
+        float f[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          st_shared(sM + 32 * h, m_run[h]);
-          st_shared(sScaleB + 32 * h, sb[h]);
+          const float ma = ld_shared_f32(sMA + 32 * h);
+          mb[h] = has_b ? lazy_max(ma, mx[h]) : ma;
+          mu[h] = mb[h] == -INFINITY ? 0.f : mb[h];
+          f[h] = rescale_factor(m_run[h], mb[h]);
+          m_run[h] = mb[h];
         }
-      }
-      named_arrive(kBarBReady);
-      if (warp_not_one(f)) scale_acc(acc, f);
-      if (has_b) {
-        float ps[2];
-        exp_rows(s, mu, ps);
+        if (quad == 0) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * f[h] + ps[h];
-        pack_a<kFp8>(s, pb);
-        store_p<kFp8>(sbase + kSmemPB, pb, nullptr, r0, quad);
-        if (ib == tail_blk) zero_tail(kv1, 1, n - (blo + ib) * kPage, t);
-        fence_proxy_async();
-        pv_regs<kFp8>(acc, pb, kv1, 1);
+          for (int h = 0; h < 2; ++h) st_shared(sMB + 32 * h, mb[h]);
+        }
+        named_arrive(kBarBReady);
+        if (warp_not_one(f)) scale_acc(acc, f);
+        if (has_b) {
+          float ps[2];
+          exp_rows(s, mu, ps);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * f[h] + ps[h];
+          pack_a<kFp8>(s, pb);
+          store_p<kFp8>(sbase + kSmemPB, pb, nullptr, r0, quad);
+          if (ib == tail_blk) zero_tail(kv1, 1, n - (blo + ib) * kPage, t);
+          fence_proxy_async();
+          pv_regs<kFp8>(acc, pb, kv1, 1);
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) lsum[h] *= f[h];
+        }
       } else {
+        // fp8: softmax of B against our own running max, without waiting for WG0's max of A.
+        // B's P·V is issued first, and only when A moved the max past ours (rare, with lazy
+        // rescaling) is our accumulator rescaled after it (which needs the wgmma's completion,
+        // so the whole warpgroup votes). P_B is stored for WG0 after kBarAReady, which WG0
+        // reaches only once its P·V has read the previous P_B. This order leaves the fp8 build
+        // without spills (the bf16 order spills 28 / 52 bytes there) and is 1-3% faster in
+        // fp8; in bf16 it is 1-2.5% slower (mla_ab_h200.json runs 34-36).
+        float sb[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) lsum[h] *= f[h];
+        for (int h = 0; h < 2; ++h) {
+          mb[h] = has_b ? lazy_max(m_run[h], mx[h]) : m_run[h];
+          mu[h] = mb[h] == -INFINITY ? 0.f : mb[h];
+          sb[h] = rescale_factor(m_run[h], mb[h]);
+        }
+        if (quad == 0) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) st_shared(sMB + 32 * h, mb[h]);
+        }
+        named_arrive(kBarBReady);
+        // (nothing is in flight here; without this wait ptxas cannot tell, and serialises every
+        // wgmma of the kernel: C7515)
+        wgmma_wait<0>();
+        if (warp_not_one(sb)) scale_acc(acc, sb);
+        if (has_b) {
+          float ps[2];
+          exp_rows(s, mu, ps);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * sb[h] + ps[h];
+          pack_a<kFp8>(s, pb);
+          if (ib == tail_blk) zero_tail(kv1, 1, n - (blo + ib) * kPage, t);
+          pv_regs<kFp8>(acc, pb, kv1, 1);
+        }
+        // the pair's max: WG0's after A and ours after B
+        named_bar(kBarAReady, kThreads);
+        float fb[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m_run[h] = fmaxf(ld_shared_f32(sMA + 32 * h), mb[h]);
+          fb[h] = rescale_factor(mb[h], m_run[h]);
+          lsum[h] *= fb[h];
+        }
+        const bool rescale = warp_not_one(fb);
+        if (has_b) {  // (two calls: see WG0's P_A)
+          if (rescale) store_p<kFp8>(sbase + kSmemPB, pb, fb, r0, quad);
+          else store_p<kFp8>(sbase + kSmemPB, pb, nullptr, r0, quad);
+          fence_proxy_async();
+        }
+        if (warpgroup_any(rescale, kBarWG1Vote)) {
+          wgmma_wait<0>();
+#pragma unroll
+          for (int k = 0; k < 128; ++k) pin(acc[k]);
+          if (rescale) scale_acc(acc, fb);
+        }
       }
       named_bar(kBarPAWritten, kThreads);
       if (ia == tail_blk) zero_tail(kv0, 1, n - (blo + ia) * kPage, t);
