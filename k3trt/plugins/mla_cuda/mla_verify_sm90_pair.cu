@@ -262,6 +262,15 @@ __device__ __forceinline__ void store_p(uint32_t tile, const uint32_t* a, const 
     }
 }
 
+// P -> its shared tile for the other warpgroup, times f where `scaled` (two calls: a factor pointer
+// chosen at run time would put f in local memory)
+template <bool kF16>
+__device__ __forceinline__ void store_p_scaled(uint32_t tile, const uint32_t* a, const float* f,
+                                               bool scaled, int r0, int quad) {
+  if (scaled) store_p<kF16>(tile, a, f, r0, quad);
+  else store_p<kF16>(tile, a, nullptr, r0, quad);
+}
+
 // Lazy rescaling (FlashAttention-4's): a row's running max moves only when a block's max passes it
 // by more than kLazyMax (log2 units), so P stays at most 2^kLazyMax (fp32 accumulators, bf16 / fp16
 // P: no range concern) and the rescale factors are exactly 1 on almost every block, which lets a
@@ -277,6 +286,15 @@ __device__ __forceinline__ float lazy_max(float m_run, float mx) {
 // the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 did not)
 __device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
   return m_old == m_new || m_old == -INFINITY ? 1.f : fast_exp2(m_old - m_new);
+}
+// the pair's max from this warpgroup's (mine) and the other's (in shared memory at s_other), and
+// the factor f taking this warpgroup's sums from its own max to it
+__device__ __forceinline__ void pair_max(const float* mine, uint32_t s_other, float* m_run, float* f) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m_run[h] = fmaxf(mine[h], ld_shared_f32(s_other + 32 * h));
+    f[h] = rescale_factor(mine[h], m_run[h]);
+  }
 }
 __device__ __forceinline__ bool warp_not_one(const float* f) {
   return __any_sync(~0u, f[0] != 1.f || f[1] != 1.f);
@@ -452,16 +470,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // accumulator too
       named_bar(kBarBReady, kThreads);
       float sb[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        m_run[h] = fmaxf(ma[h], ld_shared_f32(sMB + 32 * h));
-        sb[h] = rescale_factor(ma[h], m_run[h]);
-      }
-      // (fp8: always; the branch there costs warpgroup 0 registers that it spills. Two calls: a
-      // factor pointer chosen at run time would put sb in local memory)
+      pair_max(ma, sMB, m_run, sb);
+      // (fp8: always; the branch there costs warpgroup 0 registers that it spills)
       const bool rescale_b = kFp8 || warp_not_one(sb);
-      if (rescale_b) store_p<kFp8>(sbase + kSmemPA, pa, sb, r0, quad);
-      else store_p<kFp8>(sbase + kSmemPA, pa, nullptr, r0, quad);
+      store_p_scaled<kFp8>(sbase + kSmemPA, pa, sb, rescale_b, r0, quad);
       fence_proxy_async();
       named_arrive(kBarPAWritten);
       wgmma_wait<0>();
@@ -571,16 +583,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         // the pair's max: WG0's after A and ours after B
         named_bar(kBarAReady, kThreads);
         float fb[2];
+        pair_max(mb, sMA, m_run, fb);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m_run[h] = fmaxf(ld_shared_f32(sMA + 32 * h), mb[h]);
-          fb[h] = rescale_factor(mb[h], m_run[h]);
-          lsum[h] *= fb[h];
-        }
+        for (int h = 0; h < 2; ++h) lsum[h] *= fb[h];
         const bool rescale = warp_not_one(fb);
-        if (has_b) {  // (two calls: see WG0's P_A)
-          if (rescale) store_p<kFp8>(sbase + kSmemPB, pb, fb, r0, quad);
-          else store_p<kFp8>(sbase + kSmemPB, pb, nullptr, r0, quad);
+        if (has_b) {
+          store_p_scaled<kFp8>(sbase + kSmemPB, pb, fb, rescale, r0, quad);
           fence_proxy_async();
         }
         if (warpgroup_any(rescale, kBarWG1Vote)) {
