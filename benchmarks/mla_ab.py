@@ -8,7 +8,8 @@ same run.
         [--variant s=shared] --cells 12:32:8192,12:128:1024 [--kv bf16,fp8] [--json out.json]
 
 Prints µs per call for each build, B's fraction of the roofline and each A / B (> 1: B is faster).
-An --a is labelled A, A2, A3, ... unless given as name=folder. A --variant runs the tree's build
+An --a is labelled A, A2, A3, ... unless given as name=folder, and runs the pair schedule unless
+given as folder:schedule (B runs the tree's default, pick_schedule's). A --variant runs the tree's build
 with another schedule and launch options (name=schedule[:option=int,...]), timed and compared
 like an --a.
 """
@@ -31,7 +32,8 @@ Q_ROWS, D_QK, D_V = 4, 576, 512
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", action="append", default=[],
-                    help="[name=]folder with a baseline's mla_cuda sources (repeatable)")
+                    help="[name=]folder[:schedule] with a baseline's mla_cuda sources, run with "
+                         "that schedule (default: pair) (repeatable)")
     ap.add_argument("--variant", action="append", default=[],
                     help="name=schedule[:option=int,...]: the tree's build run so, e.g. "
                          "wide=pair:min_split_blocks=1,max_spread=8 (repeatable)")
@@ -45,8 +47,10 @@ def main(argv=None) -> int:
     exts = {}  # label -> (build, launch options)
     for i, spec in enumerate(args.a):
         label, _, folder = spec.rpartition("=")
+        folder, _, schedule = folder.partition(":")
+        # (pair unless told: builds from before the swap kernel treat its code as the shared one)
         exts[label or ("A" if i == 0 else f"A{i + 1}")] = (
-            mla_cuda.load_extension(src_dir=folder), {})
+            mla_cuda.load_extension(src_dir=folder), dict(schedule=schedule or "pair"))
     for spec in args.variant:
         label, _, rest = spec.partition("=")
         schedule, _, opts = rest.partition(":")

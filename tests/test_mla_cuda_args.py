@@ -20,7 +20,7 @@ def _args(**over):
 
 def test_bad_schedule_is_named_before_anything_runs():
     a = _args()
-    with pytest.raises(ValueError, match=r"schedule 'fast' is not one of \['pair', 'shared'\]"):
+    with pytest.raises(ValueError, match=r"schedule 'fast' is not one of \['pair', 'shared', 'swap'\]"):
         mla_cuda.mla_verify_cuda(a["q"], a["kv_cache"], a["block_table"], a["seq_lens"], 4,
                                  576 ** -0.5, schedule="fast")
 
@@ -34,7 +34,19 @@ def test_cpu_call_is_refused_with_its_reason():
 
 def test_schedules_table():
     assert mla_cuda.DEFAULT_SCHEDULE in mla_cuda.SCHEDULES
-    assert sorted(mla_cuda.SCHEDULES.values()) == [0, 1]  # the kernel's LaunchArgs::schedule codes
+    assert sorted(mla_cuda.SCHEDULES.values()) == [0, 1, 2]  # the kernel's LaunchArgs::schedule codes
+
+
+@pytest.mark.parametrize("kv, rows, batch, expect", [
+    (torch.float8_e4m3fn, 48, 32, "swap"),    # 12 heads x 4 at TP 8, batch 32
+    (torch.float8_e4m3fn, 12, 256, "swap"),   # plain decode
+    (torch.float8_e4m3fn, 48, 16, "pair"),    # few requests: the swap CTA's fixed cost
+    (torch.float8_e4m3fn, 64, 128, "pair"),   # 16 heads x 4: more rows than its tile
+    (torch.bfloat16, 48, 128, "pair"),        # the swap kernel takes fp8 only
+])
+def test_pick_schedule(kv, rows, batch, expect):
+    assert mla_cuda.pick_schedule(kv, rows, batch) == expect
+    assert expect in mla_cuda.SCHEDULES
 
 
 @pytest.mark.parametrize("batch, heads, splits, expect", [

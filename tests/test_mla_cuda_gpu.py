@@ -2,7 +2,8 @@
 reference, on fresh random inputs: lengths not multiple of 64, zero length, batch 1 / 32, H = 12
 (one M tile) and H = 48 (three), bf16 and fp8 KV, split-K on and off, NaN-poisoned outputs and
 scratch (every element written, no unwritten partial read), NaN in every cache slot past a length.
-Both kernel schedules (``shared`` and ``pair``). Relative error under 1e-2,
+All three kernel schedules (``shared``, ``pair``, and ``swap`` for fp8 caches with at most 48 rows a
+request: 12 heads x 4, 24 x 2, 16 x 3, 12 x 1, 5 x 4). Relative error under 1e-2,
 never a NaN. Run on the H200 (sm_90 only; the extension JIT-builds on
 first use): ``pytest -m gpu tests/test_mla_cuda_gpu.py``.
 """
@@ -26,9 +27,14 @@ FP8 = torch.float8_e4m3fn
 LENS = [(0, 1, 63, 65, 700, 2500), (20000,), (0, 0)]
 
 
-def _case(lens, heads, kv):
-    return Case(lens, 4, heads=heads, width=576, d_v=512, page=64, dtype=torch.bfloat16,
+def _case(lens, heads, kv, q_per_req=4):
+    return Case(lens, q_per_req, heads=heads, width=576, d_v=512, page=64, dtype=torch.bfloat16,
                 kv_dtype=kv, kv_scale=0.5 if kv == FP8 else 1.0)
+
+
+# (schedule, kv dtype) pairs each kernel takes: swap only an fp8 cache
+COMBOS = [("shared", None), ("shared", FP8), ("pair", None), ("pair", FP8), ("swap", FP8)]
+COMBO_IDS = [f"{s}-{'fp8' if kv == FP8 else 'bf16'}" for s, kv in COMBOS]
 
 
 def cases():
@@ -73,8 +79,7 @@ def test_kernel_matches_reference(case, splits, schedule):
                                   dict(min_split_blocks=2), dict(min_split_blocks=7, max_spread=3),
                                   dict(full_split_blocks=3, max_spread=1),
                                   dict(full_split_blocks=40, max_spread=2)], ids=str)
-@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("schedule", ["shared", "pair"])
+@pytest.mark.parametrize("schedule, kv", COMBOS, ids=COMBO_IDS)
 def test_split_rule(rule, kv, schedule):
     """How far each request spreads over the plan's splits (SplitRule) changes the work split and
     which partials the merge reads, never the result; lengths from 0 to 20000 under one plan."""
@@ -107,8 +112,7 @@ def test_one_split_requests_beside_merged_ones(splits, schedule):
     check(*run(case, splits, seed=splits, schedule=schedule, min_split_blocks=4, max_spread=splits))
 
 
-@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("schedule", ["shared", "pair"])
+@pytest.mark.parametrize("schedule, kv", COMBOS, ids=COMBO_IDS)
 def test_captures_in_graph_and_follows_lengths(kv, schedule):
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
@@ -170,8 +174,7 @@ def test_pair_kernel_is_bitwise_repeatable():
 
 
 @pytest.mark.parametrize("splits", [1, None])
-@pytest.mark.parametrize("kv", [None, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("schedule", ["shared", "pair"])
+@pytest.mark.parametrize("schedule, kv", COMBOS, ids=COMBO_IDS)
 def test_running_max_jumps(schedule, kv, splits):
     """The pair kernel keeps a row's running max until a block's max passes it by more than a
     factor of 2^8 (lazy rescaling): here single tokens' rope keys are scaled up so that rows'
@@ -225,3 +228,43 @@ def test_misaligned_q_is_refused():
     qv.copy_(q)
     with pytest.raises(ValueError, match="16-byte aligned"):
         mla_cuda.mla_verify_cuda(qv, cache, table, seq_lens, 4, case.width ** -0.5, 1.0, case.d_v)
+
+
+def swap_cases():
+    """fp8 caches with every row count the swap kernel takes: 48 rows as 12 heads x 4, 24 x 2 and
+    16 x 3 (the visible length changes at other columns), 12 x 1 (plain decode) and 5 x 4 (28 of 48
+    columns padding), lengths from 0 to 20000."""
+    g = torch.Generator().manual_seed(9)
+    lens32 = tuple(int(x) for x in torch.randint(1, 3000, (32,), generator=g))
+    out = [_case(lens, 12, FP8) for lens in LENS + [lens32]]
+    out += [_case((129, 64, 3000), 24, FP8, 2), _case((700, 1, 2049), 16, FP8, 3),
+            _case((0, 65, 5000), 12, FP8, 1), _case((3000, 70, 1200), 5, FP8)]
+    return out
+
+
+@pytest.mark.parametrize("case", swap_cases(), ids=lambda c: f"L{len(c.lens)}x{max(c.lens)}-"
+                         f"H{c.heads}xQ{c.q_per_req}")
+@pytest.mark.parametrize("splits", [1, 5, None])
+def test_swap_kernel_matches_reference(case, splits):
+    check(*run(case, splits, seed=splits or 0, schedule="swap"))
+
+
+@pytest.mark.parametrize("kv, heads", [(None, 12), (FP8, 16)], ids=["bf16", "64-rows"])
+def test_swap_refuses_what_it_does_not_take(kv, heads):
+    """A bf16 cache, or more than 48 rows a request: refused by name, not computed wrongly."""
+    from k3trt.plugins import mla_cuda
+    case = _case((100,), heads, kv)
+    q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
+    with pytest.raises(RuntimeError, match="schedule swap takes an fp8 cache and at most 48 rows"):
+        mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, 0.1, case.kv_scale, 512,
+                                 schedule="swap")
+
+
+def test_default_schedule_takes_swap_where_picked():
+    """With no schedule given, an fp8 cache at 12 heads and batch 32 runs the swap kernel
+    (pick_schedule), through the same split plan and merge as the others."""
+    from k3trt.plugins import mla_cuda
+    g = torch.Generator().manual_seed(12)
+    case = _case(tuple(int(x) for x in torch.randint(1, 5000, (32,), generator=g)), 12, FP8)
+    assert mla_cuda.pick_schedule(FP8, 48, 32) == "swap"
+    check(*run(case, None, seed=12, schedule=None))

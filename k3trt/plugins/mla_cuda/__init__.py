@@ -32,7 +32,12 @@ mbarrier per 8 KB chunk, and each warpgroup reloads the chunks it was the last t
   warpgroup. Its Q tile also comes by TMA (a second tensor map, over Q's [B·Q·H, 576] rows).
 - ``shared`` (mla_verify_sm90.cu, the first version): both warpgroups on each block, 32 tokens of
   scores each; kept as the measured baseline.
-An fp8 cache lands as raw bytes and is expanded in place to fp16 before the same MMAs.
+In these two an fp8 cache lands as raw bytes and is expanded in place to fp16 before the same MMAs.
+- ``swap`` (mla_verify_sm90_swap.cu; an fp8 cache and at most 48 rows a request, 12 heads x 4 at
+  TP 8): the tokens are the MMA's M dimension and the cache its A operand, converted from fp8 in
+  registers, so nothing is expanded through shared memory and no row is padding; one warpgroup
+  computes the scores and P, two multiply P into their halves of O (384 threads). The default
+  where pick_schedule says so (batch >= 32: it costs more per CTA and wins from a few blocks a CTA).
 
 Build: torch.utils.cpp_extension.load with nvcc for sm_90a (``-gencode=arch=compute_90a,
 code=sm_90a``: wgmma needs the "a" target). The build is cached by torch under
@@ -64,14 +69,34 @@ PAGE, D_QK, D_V = 64, 576, 512
 # goes (mla_cuda_h200.json runs 9-10).
 MIN_SPLIT_BLOCKS, FULL_SPLIT_BLOCKS = 2, 16
 _DIR = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu")
+SOURCES = ("binding.cpp", "mla_verify_sm90.cu", "mla_verify_sm90_pair.cu", "mla_verify_sm90_swap.cu")
 CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
               "-Xptxas=-v"]
-_TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out", 2: "Q tile mbarrier wait timed out"}
+_TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out", 2: "Q tile mbarrier wait timed out",
+                  3: "swap kernel: P^T ready mbarrier wait timed out",
+                  4: "swap kernel: P^T free mbarrier wait timed out"}
 # kernel schedules (mla_verify_sm90.h): "shared" = both warpgroups on each block (v4), "pair" = the
-# warpgroups on alternate blocks (mla_verify_sm90_pair.cu)
-SCHEDULES = {"shared": 0, "pair": 1}
+# warpgroups on alternate blocks (mla_verify_sm90_pair.cu), "swap" = tokens as the MMA's M, an fp8
+# cache converted in registers (mla_verify_sm90_swap.cu: fp8, at most SWAP_MAX_ROWS rows a request)
+SCHEDULES = {"shared": 0, "pair": 1, "swap": 2}
 DEFAULT_SCHEDULE = "pair"
+SWAP_MAX_ROWS = 48
+# The swap kernel has the faster loop but a dearer CTA (batch 1, 1K: 16.1 us against the pair
+# kernel's 13.0, each CTA a block or two; where the ~3 us go is not measured: candidates are its Q^T,
+# gathered and permuted by plain loads, and its O^T, staged through shared memory). At 12 heads,
+# fp8 it took 3.7-16% off batch 32-128 from 2K context and 10% off batch 128 / 1K, but added 6% at
+# batch 32 / 1K and 16-24% at batch 1, whose plans spread a request over 113 CTAs
+# (mla_ab_h200.json run 41). The choice is per plan (batch capacity), as a CUDA graph replays its
+# plan at any length; batch 2-16 is not measured.
+SWAP_MIN_BATCH = 32
+
+
+def pick_schedule(kv_dtype: torch.dtype, rows_per_req: int, batch: int) -> str:
+    """The default kernel for a call: swap for an fp8 cache with at most SWAP_MAX_ROWS rows a request
+    and a batch of at least SWAP_MIN_BATCH, else pair."""
+    if kv_dtype == FP8 and rows_per_req <= SWAP_MAX_ROWS and batch >= SWAP_MIN_BATCH:
+        return "swap"
+    return DEFAULT_SCHEDULE
 
 
 @functools.lru_cache(maxsize=4)
@@ -162,10 +187,13 @@ def reset_kernel_error(device=None) -> None:
 def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0,
                     d_v=512, num_splits=None, *, out=None, lse=None, poison_scratch=False,
                     min_split_blocks=MIN_SPLIT_BLOCKS, full_split_blocks=FULL_SPLIT_BLOCKS,
-                    max_spread=None, schedule=DEFAULT_SCHEDULE, ext=None):
+                    max_spread=None, schedule=None, ext=None):
     """out [B·Q, H, 512] bf16, lse [B·Q, H] fp32 (see the module docstring). Tests pass NaN-filled
     `out` / `lse` and `poison_scratch` to prove every element is written and no unwritten partial
-    is read. ext: another build of the extension to run (load_extension's diagnostics)."""
+    is read. schedule None: pick_schedule's. ext: another build of the extension to run
+    (load_extension's diagnostics)."""
+    if schedule is None:
+        schedule = pick_schedule(kv_cache.dtype, q_per_req * q.shape[1], block_table.shape[0])
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)

@@ -2,7 +2,7 @@
 (regenerate with `python gen_wgmma.py`; the output is checked in)."""
 
 # (N, input type, A from registers, B transposed = N-major)
-SHAPES = [(32, "bf16", False, False), (32, "f16", False, False),
+SHAPES = [(32, "bf16", False, False), (32, "f16", False, False), (48, "f16", True, False),
           (64, "bf16", False, False), (64, "bf16", True, False),
           (64, "f16", False, False), (64, "f16", True, False),
           (256, "bf16", False, True), (256, "f16", False, True), (256, "bf16", True, True),

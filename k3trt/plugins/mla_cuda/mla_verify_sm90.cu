@@ -550,10 +550,29 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
                   bytes ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   };
+  // the swap kernel's raw fp8 rows: value chunks in 128-byte boxes with the 128-byte swizzle, the
+  // rope chunk in a 64-byte box
+  auto encode_raw = [&](CUtensorMap* map, int box_x, bool swizzle) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kD),
+                                static_cast<cuuint64_t>(a.num_pages * kPage)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kD)};
+    const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_x), 64};
+    const cuuint32_t estr[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(a.kv), dims, strides,
+                  box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  const bool swap = a.schedule == 2;
+  if (swap && (!a.kv_fp8 || a.q_per_req * a.heads > 48)) {
+    snprintf(msg, msg_len, "schedule swap takes an fp8 cache and at most 48 rows a request "
+             "(q_per_req %d x heads %d)", a.q_per_req, a.heads);
+    return 1;
+  }
   CUtensorMap map, q_map;
   const long q_rows = static_cast<long>(a.batch) * a.q_per_req * a.heads;
-  CUresult r = encode_rows(&map, a.kv, a.num_pages * kPage, a.kv_fp8);
-  if (r == CUDA_SUCCESS) r = encode_rows(&q_map, a.q, q_rows, false);
+  CUresult r = swap ? encode_raw(&map, 128, true) : encode_rows(&map, a.kv, a.num_pages * kPage, a.kv_fp8);
+  if (r == CUDA_SUCCESS) r = swap ? encode_raw(&q_map, 64, false) : encode_rows(&q_map, a.q, q_rows, false);
   if (r != CUDA_SUCCESS) {
     snprintf(msg, msg_len, "cuTensorMapEncodeTiled failed with CUresult %d", static_cast<int>(r));
     return 1;
@@ -584,6 +603,8 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   cudaError_t e;
   if (a.schedule == 1) {
     e = launch_pair(map, q_map, p, grid, a.kv_fp8, stream);
+  } else if (swap) {
+    e = launch_swap(map, q_map, p, grid, stream);
   } else {
     static const cudaError_t allowed[2] = {allow_smem(mla_verify_sm90_kernel<false>, kSmemAlloc),
                                            allow_smem(mla_verify_sm90_kernel<true>, kSmemAlloc)};

@@ -82,19 +82,6 @@ constexpr int kBarAReady = 1, kBarBReady = 2, kBarPAWritten = 3, kBarWG1Issued =
               kBarExpand = 6,  // + warpgroup: its 128 threads only (fp8 expansion)
               kBarWG1Vote = 8;  // warpgroup 1's 128 threads: a rescale after its P·V of B
 
-__device__ __forceinline__ void named_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kThreads) : "memory");
-}
-
-// whether v holds for any of one warpgroup's 128 threads (barrier id: that warpgroup's own)
-__device__ __forceinline__ bool warpgroup_any(bool v, int id) {
-  uint32_t r;
-  asm volatile(
-      "{.reg .pred p, q; setp.ne.u32 p, %1, 0; bar.red.or.pred q, %2, 128, p; selp.u32 %0, 1, 0, q;}"
-      : "=r"(r) : "r"(static_cast<uint32_t>(v)), "r"(id) : "memory");
-  return r != 0;
-}
-
 // the wgmma shapes of this kernel for 16-bit inputs: bf16 (bf16 cache) or fp16 (fp8 cache, expanded)
 template <bool kF16>
 __device__ __forceinline__ void mma_qk(float* s, uint64_t da, uint64_t db, bool first) {
@@ -271,22 +258,6 @@ __device__ __forceinline__ void store_p_scaled(uint32_t tile, const uint32_t* a,
   else store_p<kF16>(tile, a, nullptr, r0, quad);
 }
 
-// Lazy rescaling (FlashAttention-4's): a row's running max moves only when a block's max passes it
-// by more than kLazyMax (log2 units), so P stays at most 2^kLazyMax (fp32 accumulators, bf16 / fp16
-// P: no range concern) and the rescale factors are exactly 1 on almost every block, which lets a
-// warp skip the 128-register rescale of its accumulator (lsum and O share the stale max, so the
-// result is the same; LSE = m + log2 l whatever m is). +3 to +10% at 24-96 heads in bf16, +1 to
-// +3% in fp8 (mla_ab_h200.json run 28).
-constexpr float kLazyMax = 8.f;
-__device__ __forceinline__ float lazy_max(float m_run, float mx) {
-  return mx > m_run + kLazyMax ? mx : m_run;  // (m_run = -inf: any finite mx)
-}
-// the factor taking a row's sums from max m_old to m_new >= m_old: exactly 1 when the max did not
-// move, and when it was -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
-// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 did not)
-__device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
-  return m_old == m_new || m_old == -INFINITY ? 1.f : fast_exp2(m_old - m_new);
-}
 // the pair's max from this warpgroup's (mine) and the other's (in shared memory at s_other), and
 // the factor f taking this warpgroup's sums from its own max to it
 __device__ __forceinline__ void pair_max(const float* mine, uint32_t s_other, float* m_run, float* f) {

@@ -217,6 +217,36 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kThreads) : "memory");
+}
+
+// whether v holds for any of one warpgroup's 128 threads (barrier id: that warpgroup's own)
+__device__ __forceinline__ bool warpgroup_any(bool v, int id) {
+  uint32_t r;
+  asm volatile(
+      "{.reg .pred p, q; setp.ne.u32 p, %1, 0; bar.red.or.pred q, %2, 128, p; selp.u32 %0, 1, 0, q;}"
+      : "=r"(r) : "r"(static_cast<uint32_t>(v)), "r"(id) : "memory");
+  return r != 0;
+}
+
+// Lazy rescaling (FlashAttention-4's): a row's running max moves only when a block's max passes it
+// by more than kLazyMax (log2 units), so P stays at most 2^kLazyMax (fp32 accumulators, bf16 / fp16
+// P: no range concern) and the rescale factors are exactly 1 on almost every block, which lets a
+// warp skip the 128-register rescale of its accumulator (lsum and O share the stale max, so the
+// result is the same; LSE = m + log2 l whatever m is). +3 to +10% at 24-96 heads in bf16, +1 to
+// +3% in fp8 (mla_ab_h200.json run 28).
+constexpr float kLazyMax = 8.f;
+__device__ __forceinline__ float lazy_max(float m_run, float mx) {
+  return mx > m_run + kLazyMax ? mx : m_run;  // (m_run = -inf: any finite mx)
+}
+// the factor taking a row's sums from max m_old to m_new >= m_old: exactly 1 when the max did not
+// move, and when it was -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
+// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 did not)
+__device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
+  return m_old == m_new || m_old == -INFINITY ? 1.f : fast_exp2(m_old - m_new);
+}
+
 __device__ __forceinline__ uint32_t pack2(float a, float b, bool f16) {
   if (f16) {
     __half2 h = __floats2half2_rn(a, b);
@@ -475,5 +505,10 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
 // 64x64 boxes, 128-byte swizzle; a CUDA error code
 cudaError_t launch_pair(const CUtensorMap& kv_map, const CUtensorMap& q_map, const Params& p,
                         dim3 grid, bool fp8, cudaStream_t stream);
+// launches the swap-AB kernel (mla_verify_sm90_swap.cu: fp8 cache, rows_per_req <= 48); kv128 /
+// kv64: the raw cache as [pages*64, 576] bytes in 128-byte boxes with the 128-byte swizzle / 64-byte
+// boxes without
+cudaError_t launch_swap(const CUtensorMap& kv128, const CUtensorMap& kv64, const Params& p,
+                        dim3 grid, cudaStream_t stream);
 
 }  // namespace k3mla
