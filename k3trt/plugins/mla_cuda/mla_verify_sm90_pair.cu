@@ -280,11 +280,7 @@ __device__ __forceinline__ void scale_acc(float* acc, const float* f) {
 // chunks of the stage (the cache may hold NaN there, and 0 * NaN would poison P·V)
 __device__ __forceinline__ void zero_tail(uint32_t stage, int half, int valid, int t) {
   if (valid >= kPage) return;
-  const uint32_t vbase = stage + half * 4 * kChunkBytes;
-  for (int x = t; x < (kPage - valid) * 32; x += 128) {
-    const int r = valid + (x >> 5);
-    st_shared_zero16(vbase + ((x >> 3) & 3) * kChunkBytes + r * 128 + (x & 7) * 16);
-  }
+  zero_tail_rows(stage + half * 4 * kChunkBytes, valid, t);
   fence_proxy_async();
 }
 

@@ -56,9 +56,9 @@
 namespace k3mla {
 namespace swap {
 
-constexpr int kN = 48;                                // folded rows = wgmma N
+constexpr int kN = kSwapMaxRows;                      // folded rows = wgmma N
 constexpr int kQChunk = kN * 128;                     // 64 columns of Q^T (fp16, swizzled)
-constexpr int kRawChunk = 64 * 128;                   // [64 tokens x 128 B] fp8
+constexpr int kRawChunk = kChunkBytes;               // [64 tokens x 128 B] fp8
 constexpr int kRawBlock = 4 * kRawChunk + 64 * 64;    // + the rope chunk [64 x 64 B]
 constexpr int kPTile = kN * 128;                      // P^T [48 rows x 64 tokens] fp16
 constexpr int kSmemQ = 0;
@@ -294,16 +294,6 @@ __device__ __forceinline__ void store_pt(float* s, const float* m, float* lsum, 
   }
 }
 
-// rows past the length in the sequence's last block: zero the block's raw value bytes there (the
-// cache may hold NaN, and NaN * 0 would poison O^T); one warpgroup's 128 threads
-__device__ __forceinline__ void zero_tail(uint32_t slot, int valid, int t) {
-  if (valid >= kPage) return;
-  for (int x = t; x < (kPage - valid) * 32; x += 128) {  // 32 pieces of 16 B a row
-    const int r = valid + (x >> 5);
-    st_shared_zero16(slot + (x & 31) / 8 * kRawChunk + r * 128 + (x & 7) * 16);
-  }
-}
-
 }  // namespace swap
 
 __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
@@ -442,7 +432,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       store_pt(s, m_new, lsum, sbase + kSmemP + sl * kPTile, w, lane);
 #pragma unroll
       for (int c = 0; c < 12; ++c) m_run[c] = m_new[c];
-      if (i == tail_blk) zero_tail(slot, n - (blo + i) * kPage, t);
+      if (i == tail_blk) zero_tail_rows(slot, n - (blo + i) * kPage, t);  // (raw fp8 rows)
       fence_proxy_async();
       mbar_arrive(rdy0 + 8 * sl);
     }

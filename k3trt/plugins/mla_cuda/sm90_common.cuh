@@ -27,6 +27,7 @@ constexpr int kChunks = kD / 64;          // 9 chunks of 64 columns
 constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
 constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
 constexpr int kThreads = 256;
+constexpr int kSwapMaxRows = 48;      // rows a request the swap kernel takes (its MMA's N)
 
 // How a request spreads over the grid's splits (active_splits): all num_splits when it has at least
 // full_blocks pages per split (the extra waves of CTAs and their partials are then paid for);
@@ -490,6 +491,17 @@ __device__ __forceinline__ void store_rows(const Params& p, const float* acc, fl
     if (m0 + r < p.rows_per_req)
       *reinterpret_cast<uint4*>(dst + (row_base + r) * stride + c * 8) =
           ld_shared_v4(stage + r * 1024 + ((c ^ (r & 7)) << 4));
+  }
+}
+
+// Rows valid..63 of a block's four 8 KB value chunks (64 rows x 128 B from base) set to zero by
+// one warpgroup's 128 threads: the sequence's last block, whose slots past the length may hold NaN
+// (and 0 * NaN would poison P·V). Callers that multiply the chunks by wgmma add the proxy fence.
+__device__ __forceinline__ void zero_tail_rows(uint32_t base, int valid, int t) {
+  if (valid >= kPage) return;
+  for (int x = t; x < (kPage - valid) * 32; x += 128) {  // 32 pieces of 16 B a row
+    const int r = valid + (x >> 5);
+    st_shared_zero16(base + ((x >> 3) & 3) * kChunkBytes + r * 128 + (x & 7) * 16);
   }
 }
 
