@@ -78,7 +78,7 @@ static_assert(kSmemKV % 1024 == 0 && kRawBlock % 1024 == 0 && kSmemP % 1024 == 0
 static_assert(kSmemAlloc <= 232448, "shared memory over the sm_90 limit");
 
 // named barriers (0 is __syncthreads), + warpgroup: its 128 threads
-constexpr int kBarLocal = 1, kBarVote = 4;
+constexpr int kBarLocal = 1, kBarVote = 4, kBarValues = 7;  // (7: both value warpgroups)
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -494,8 +494,11 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     }
     wgmma_wait<0>();
     pin_acc(acc);
-    // O^T -> shared memory as fp32 rows [48][512] (the KV stages are free: every block was
-    // consumed), then normalised and stored in whole 16-byte pieces of rows.
+    // O^T -> shared memory as fp32 rows [48][512] over the KV stages, once both value warpgroups
+    // have read every block (the other one can still be a block or more behind: without this
+    // barrier its last V reads could see the staged floats), then normalised and stored in whole
+    // 16-byte pieces of rows.
+    named_bar(kBarValues, 256);
     float* ost = reinterpret_cast<float*>(smem + kSmemKV);
 #pragma unroll
     for (int c = 0; c < 12; ++c)
