@@ -46,28 +46,22 @@ __device__ __forceinline__ uint32_t cvt_hi(uint32_t v) {
 }
 """
 
-# one kernel per shape: TAG, REGS (N / 2 accumulators) and MMA filled in
+# One kernel: NAME, REGS (N / 2 accumulators), PRE (set-up before the clock starts) and LOOP
+# filled in; shared memory holds fp16 1/128 (or, read as e4m3, finite bytes) everywhere.
 KERNEL = r"""
-__global__ void rate_TAG(int64_t* clocks, float* sink, int iters) {
+__global__ void k_NAME(int64_t* clocks, float* sink, int iters) {
   extern __shared__ __align__(1024) uint8_t smem[];
   for (int i = threadIdx.x; i < 65536 / 4; i += blockDim.x)
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x20002000u;  // fp16 1/128: finite, nonzero
+    reinterpret_cast<uint32_t*>(smem)[i] = 0x20002000u;
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint64_t db = sw128_desc(base), da = sw128_desc(base + 32768);
+  const uint64_t db = sw128_desc(base);
   float acc[REGS];
   for (int i = 0; i < REGS; ++i) acc[i] = 0.f;
-  uint32_t a[2][4];
-  for (int i = 0; i < 8; ++i) a[i / 4][i % 4] = 0x3c003c00u + threadIdx.x;
+PRE
   const long long t0 = clock64();
-  for (int it = 0; it < iters; ++it) {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int k = 0; k < 4; ++k) MMA;
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-  }
+LOOP
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   __syncthreads();
   const long long t1 = clock64();
@@ -77,33 +71,39 @@ __global__ void rate_TAG(int64_t* clocks, float* sink, int iters) {
   if (threadIdx.x == 0) clocks[blockIdx.x] = t1 - t0;
 }
 
-void TAG(torch::Tensor clocks, torch::Tensor sink, int64_t threads, int64_t iters) {
-  cudaFuncSetAttribute(rate_TAG, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
-  rate_TAG<<<clocks.size(0), threads, 65536>>>(clocks.data_ptr<int64_t>(), sink.data_ptr<float>(),
-                                               static_cast<int>(iters));
+void NAME(torch::Tensor clocks, torch::Tensor sink, int64_t threads, int64_t iters) {
+  cudaFuncSetAttribute(k_NAME, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+  k_NAME<<<clocks.size(0), threads, 65536>>>(clocks.data_ptr<int64_t>(), sink.data_ptr<float>(),
+                                             static_cast<int>(iters));
 }
 """
 
+# groups of four wgmmas of one shape, A from registers (a constant fragment) or shared memory
+RATE_PRE = r"""
+  const uint64_t da = sw128_desc(base + 32768);
+  uint32_t a[2][4];
+  for (int i = 0; i < 8; ++i) a[i / 4][i % 4] = 0x3c003c00u + threadIdx.x;
+"""
+RATE_LOOP = r"""
+  for (int it = 0; it < iters; ++it) {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k) MMA;
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+  }
+"""
 
 # m64n48k16 RS as the swap kernel's scores warpgroup issues it: each group of four first loads its
 # fragments' raw fp8 bytes from shared memory (two 16-byte loads) and converts them (16 cvt), into
 # a ring of DEPTH fragment sets, waiting for the group DEPTH back to retire
-KERNEL_CVT = r"""
-__global__ void cvt_dDEPTH(int64_t* clocks, float* sink, int iters) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  for (int i = threadIdx.x; i < 65536 / 4; i += blockDim.x)
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x20002000u;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint64_t db = sw128_desc(base);
+CVT_PRE = r"""
   const uint32_t src = base + 32768 + (threadIdx.x & 127) * 16;
-  float acc[24];
-  for (int i = 0; i < 24; ++i) acc[i] = 0.f;
   // (pinned: else ptxas carries the zeros into the loop and serialises the wgmmas, C7514)
   for (int i = 0; i < 24; ++i) asm volatile("" : "+f"(acc[i]));
   uint32_t fr[DEPTH][16];
-  const long long t0 = clock64();
+"""
+CVT_LOOP = r"""
   for (int it = 0; it < iters; it += DEPTH) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
@@ -124,20 +124,6 @@ __global__ void cvt_dDEPTH(int64_t* clocks, float* sink, int iters) {
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }
   }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  __syncthreads();
-  const long long t1 = clock64();
-  float s = 0.f;
-  for (int i = 0; i < 24; ++i) s += acc[i];
-  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
-  if (threadIdx.x == 0) clocks[blockIdx.x] = t1 - t0;
-}
-
-void cvt_dDEPTH_launch(torch::Tensor clocks, torch::Tensor sink, int64_t threads, int64_t iters) {
-  cudaFuncSetAttribute(cvt_dDEPTH, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
-  cvt_dDEPTH<<<clocks.size(0), threads, 65536>>>(clocks.data_ptr<int64_t>(), sink.data_ptr<float>(),
-                                                  static_cast<int>(iters));
-}
 """
 CVT_DEPTHS = (1, 2, 4)
 
@@ -146,22 +132,36 @@ def tag(n: int, rs: bool) -> str:
     return f"n{n}_{'rs' if rs else 'ss'}"
 
 
-def build():
-    from torch.utils.cpp_extension import load_inline
-    parts = [HEADER]
+def kernel(name: str, regs: int, pre: str, loop: str) -> str:
+    return (KERNEL.replace("NAME", name).replace("REGS", str(regs)).replace("PRE", pre.strip("\n"))
+            .replace("LOOP", loop.strip("\n")))
+
+
+def source() -> tuple[str, list[str]]:
+    """The CUDA source (one kernel and launcher per case) and the launchers' names."""
+    parts, names = [HEADER], []
     for n, rs in SHAPES:
         parts.append(wrapper(n, "f16", rs, False))
         mma = (f"wgmma_m64n{n}k16_f16_rs_nn(acc, a[it & 1], db + 2 * k, 1)" if rs else
                f"wgmma_m64n{n}k16_f16_nn(acc, da + 2 * k, db + 2 * k, 1)")
-        parts.append(KERNEL.replace("TAG", tag(n, rs)).replace("REGS", str(n // 2))
-                     .replace("MMA", mma))
-    parts += [KERNEL_CVT.replace("DEPTH", str(d)) for d in CVT_DEPTHS]
-    names = [tag(n, rs) for n, rs in SHAPES] + [f"cvt_d{d}_launch" for d in CVT_DEPTHS]
+        parts.append(kernel(tag(n, rs), n // 2, RATE_PRE, RATE_LOOP.replace("MMA", mma)))
+        names.append(tag(n, rs))
+    if (48, True) not in SHAPES:  # (the cvt loops call its wrapper)
+        parts.append(wrapper(48, "f16", True, False))
+    for d in CVT_DEPTHS:
+        parts.append(kernel(f"cvt_d{d}", 24, CVT_PRE.replace("DEPTH", str(d)),
+                            CVT_LOOP.replace("DEPTH", str(d))))
+        names.append(f"cvt_d{d}")
+    return "\n".join(parts), names
+
+
+def build():
+    from torch.utils.cpp_extension import load_inline
+    cuda, names = source()
     decls = [f"void {name}(torch::Tensor, torch::Tensor, int64_t, int64_t);" for name in names]
-    return load_inline("k3trt_wgmma_rate", cpp_sources="\n".join(decls),
-                       cuda_sources="\n".join(parts), functions=names,
-                       extra_cuda_cflags=["-O3", "-std=c++17",
-                                          "-gencode=arch=compute_90a,code=sm_90a"])
+    return load_inline("k3trt_wgmma_rate", cpp_sources="\n".join(decls), cuda_sources=cuda,
+                       functions=names, extra_cuda_cflags=["-O3", "-std=c++17",
+                                                           "-gencode=arch=compute_90a,code=sm_90a"])
 
 
 def main(argv=None) -> int:
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     rows = []
     cases = [(f"m64n{n}k16 {'RS' if rs else 'SS'}", getattr(mod, tag(n, rs)), n, rs)
              for n, rs in SHAPES]
-    cases += [(f"n48 RS cvt d{d}", getattr(mod, f"cvt_d{d}_launch"), 48, True) for d in CVT_DEPTHS]
+    cases += [(f"n48 RS cvt d{d}", getattr(mod, f"cvt_d{d}"), 48, True) for d in CVT_DEPTHS]
     for label, fn, n, rs in cases:
         for wgs in (1, 2, 3) if n < 256 else (1, 2):  # (218 registers at N = 256)
             clocks = torch.zeros(sms, dtype=torch.int64, device="cuda")
