@@ -174,6 +174,20 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint64_t db, in
 // the 12 query rows (columns of S^T and O^T) of thread q: 8jn + 2q + e, index 2jn + e
 __device__ __forceinline__ int col_of(int c12, int q) { return 8 * (c12 >> 1) + 2 * q + (c12 & 1); }
 
+// The K (S^T A operand) fragment of `steps` k16 steps from the 16-byte pieces of the thread's two
+// token rows: step k's 4 registers from word k of each (kk_of_dim's column order).
+__device__ __forceinline__ void k_fragment(uint32_t* f, const uint4 (&x)[2], int steps) {
+#pragma unroll
+  for (int k = 0; k < steps; ++k) {
+    const uint32_t w0 = k == 0 ? x[0].x : k == 1 ? x[0].y : k == 2 ? x[0].z : x[0].w;
+    const uint32_t w1 = k == 0 ? x[1].x : k == 1 ? x[1].y : k == 2 ? x[1].z : x[1].w;
+    f[4 * k + 0] = e4m3x2_to_h2<false>(w0);
+    f[4 * k + 1] = e4m3x2_to_h2<false>(w1);
+    f[4 * k + 2] = e4m3x2_to_h2<true>(w0);
+    f[4 * k + 3] = e4m3x2_to_h2<true>(w1);
+  }
+}
+
 // S^T of one block into s (64 tokens x 48 rows, fp32): nine 16-byte pieces of each of the thread's
 // two token rows (g, g+8), four k16 steps each, converted into a ring of kDepth fragments while the
 // previous pieces' wgmmas run; the chunk's mbarrier is waited for at its first piece. (A ring of 4,
@@ -199,15 +213,7 @@ __device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[kDepth][16], u
     }
     if (hc >= kDepth) wgmma_wait<kDepth - 1>();
     uint32_t* f = fr[hc % kDepth];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t w0 = k == 0 ? x[0].x : k == 1 ? x[0].y : k == 2 ? x[0].z : x[0].w;
-      const uint32_t w1 = k == 0 ? x[1].x : k == 1 ? x[1].y : k == 2 ? x[1].z : x[1].w;
-      f[4 * k + 0] = e4m3x2_to_h2<false>(w0);
-      f[4 * k + 1] = e4m3x2_to_h2<false>(w1);
-      f[4 * k + 2] = e4m3x2_to_h2<true>(w0);
-      f[4 * k + 3] = e4m3x2_to_h2<true>(w1);
-    }
+    k_fragment(f, x, 4);
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
@@ -243,15 +249,7 @@ __device__ __forceinline__ void st_partial(float* s, uint32_t (&fr)[kRing][16], 
     wgmma_wait<kRing - 1>();  // (the fragment's last user, kRing groups back, has retired)
     uint32_t* f = fr[j % kRing];
     const int steps = rope ? 2 : 4;
-#pragma unroll
-    for (int k = 0; k < steps; ++k) {
-      const uint32_t w0 = k == 0 ? x[0].x : k == 1 ? x[0].y : k == 2 ? x[0].z : x[0].w;
-      const uint32_t w1 = k == 0 ? x[1].x : k == 1 ? x[1].y : k == 2 ? x[1].z : x[1].w;
-      f[4 * k + 0] = e4m3x2_to_h2<false>(w0);
-      f[4 * k + 1] = e4m3x2_to_h2<false>(w1);
-      f[4 * k + 2] = e4m3x2_to_h2<true>(w0);
-      f[4 * k + 3] = e4m3x2_to_h2<true>(w1);
-    }
+    k_fragment(f, x, steps);
     // Q^T's columns of the piece (its chunk 2c + j % 2, or chunk 8 from step 2h); the empty asm
     // keeps the descriptor per group (hoisted, ptxas keeps them all in registers and spills: v15)
     uint64_t qdesc = sw128_desc(qbase + (rope ? 8 : 2 * c + (j & 1)) * kQChunk + (rope ? 64 * h : 0),
@@ -502,7 +500,6 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     const int all_vis = max(n - (p.q_per_req - 1), 0);  // blocks ending here are seen by every row
     float* red = reinterpret_cast<float*>(smem + L::kRed);
     float s[24];
-    uint32_t fr[kDepth][16];
     float m_run[12], lsum[12];
 #pragma unroll
     for (int c = 0; c < 12; ++c) m_run[c] = -INFINITY, lsum[c] = 0.f;
@@ -521,6 +518,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
         }
       } else {
         if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
+        uint32_t fr[kDepth][16];
         st_block(s, fr, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i, w, g, q);
         wgmma_wait<0>();
 #pragma unroll
