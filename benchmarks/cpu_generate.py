@@ -19,7 +19,6 @@ prompts. The preset's checkpoint and fp32 engine are made once under --workdir (
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from k3trt.builder.build import build_engine
 from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
+from record import command
 
 log = logging.getLogger("cpu_generate")
 
@@ -90,7 +90,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results = {"command": "python " + " ".join(sys.argv),
+    results = {"command": command(__file__),
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                            "load_average_1m": os.getloadavg()[0]},   # a shared machine's figures vary with it

@@ -54,6 +54,7 @@ from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 
 from drive import Progress   # benchmarks/ (the script's folder) is on sys.path
+from record import command
 
 log = logging.getLogger("e2e")
 VOCAB = 129408          # the tokenizer's vocabulary rounded up, as make_checkpoint makes it
@@ -542,8 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = "bf16" if device.type == "cuda" else "fp32"
     dtype = BuildConfig(dtype=args.dtype).torch_dtype
 
-    doc = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else
-           " ".join(["benchmarks/e2e.py", *argv]),
+    doc = {"command": command(__file__, argv),
            "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                        (platform.processor() or platform.machine()), "torch": torch.__version__,
                        "triton": _version("triton"), "cuda": torch.version.cuda, "python": platform.python_version(),

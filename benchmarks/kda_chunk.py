@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from k3trt.plugins.kda import kda_chunked
 
 from ceilings import median_ms   # benchmarks/ (the script's folder) is on sys.path
+from record import command
 
 
 def main() -> None:
@@ -47,8 +48,7 @@ def main() -> None:
                "max_diff_out": (o - ref[0]).abs().max().item(), "max_diff_state": (s - ref[1]).abs().max().item()}
         rows.append(row)
         print(row, flush=True)
-    doc = {"command": "python benchmarks/kda_chunk.py " + " ".join(f"--{a} {getattr(args, a)}" for a in
-                                                                  ("tokens", "heads", "dim", "chunks")),
+    doc = {"command": command(__file__),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))

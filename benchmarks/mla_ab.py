@@ -23,6 +23,7 @@ import sys
 import torch
 
 from ceilings import measure
+from record import command
 from mla_cuda_check import compare, interleaved_graph_us
 from mla_verify import make_cache, parse_cells
 
@@ -99,8 +100,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(command="PYTHONPATH=. python benchmarks/mla_ab.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), ceilings=ceil, rows=rows), f, indent=1)
+            json.dump(dict(command=command(__file__, argv), ceilings=ceil, rows=rows), f, indent=1)
     return 0
 
 

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from ceilings import measure
+from record import command
 from mla_verify import capture_graph, make_cache, parse_cells, replay_us
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
@@ -123,8 +124,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(command="PYTHONPATH=. python benchmarks/mla_breakdown.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), device=dev.name, ceilings=ceil,
+            json.dump(dict(command=command(__file__, argv), device=dev.name, ceilings=ceil,
                 rows=rows), f, indent=1)
     return 0
 

@@ -36,19 +36,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from record import command  # noqa: E402
+
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
 FP8 = torch.float8_e4m3fn
-RESULTS: dict = {"argv": sys.argv, "stages": {}, "correctness": [], "timing": []}
-JSON_PATH = None
 
 
-def save():
-    if JSON_PATH:
-        try:
-            with open(JSON_PATH, "w") as f:
-                json.dump(RESULTS, f, indent=1, default=str)
-        except Exception as e:  # noqa: BLE001
-            print(f"(could not write {JSON_PATH}: {e})", flush=True)
+class Report(dict):
+    """The run's JSON, rewritten to `path` after every stage (save), so partial results survive a
+    crash or a device command's time limit."""
+
+    def __init__(self, path: str | None, argv: list[str] | None):
+        super().__init__(command=command(__file__, argv), stages={}, correctness=[], timing=[])
+        self.path = path
+
+    def save(self) -> None:
+        if self.path:
+            try:
+                with open(self.path, "w") as f:
+                    json.dump(self, f, indent=1, default=str)
+            except Exception as e:  # noqa: BLE001
+                print(f"(could not write {self.path}: {e})", flush=True)
 
 
 def banner(msg):
@@ -242,7 +250,7 @@ def interleaved_graph_us(calls: dict, per_graph: int = 10, rounds: int = 9) -> d
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def time_cases(variants, cases, ceil):
+def time_cases(variants, cases, ceil, report):
     """variants: (kernel, schedule, split rule name) tuples, kernel "cuda" or "triton"; all
     variants of a case are checked against the reference, then timed interleaved."""
     from mla_verify import FLASHMLA_US, make_cache
@@ -307,8 +315,8 @@ def time_cases(variants, cases, ceil):
                     row["flashmla_us"] = fm
                 print("  " + json.dumps(row), flush=True)
                 rows.append(row)
-                RESULTS["timing"].append(row)
-            save()
+                report["timing"].append(row)
+            report.save()
             inp = calls = None  # noqa: F841  (free the cache and graphs before the next case)
             torch.cuda.empty_cache()
     return rows
@@ -354,7 +362,6 @@ def print_table(rows):
 
 # ------------------------------------------------------------------------------------------------
 def main(argv=None):
-    global JSON_PATH
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="mla_cuda.json")
     ap.add_argument("--smoke-child", action="store_true", help=argparse.SUPPRESS)
@@ -374,13 +381,13 @@ def main(argv=None):
     if args.smoke_child:
         smoke_child()
         return 0
-    JSON_PATH = args.json
+    report = Report(args.json, argv)
     t_start = time.time()
     props = torch.cuda.get_device_properties(0)
-    RESULTS["device"] = dict(name=props.name, sms=props.multi_processor_count,
+    report["device"] = dict(name=props.name, sms=props.multi_processor_count,
                              capability=torch.cuda.get_device_capability(0),
                              torch=torch.__version__, cuda=torch.version.cuda)
-    print(json.dumps(RESULTS["device"]), flush=True)
+    print(json.dumps(report["device"]), flush=True)
 
     # Triton's kernels for the timed cases compile in worker processes meanwhile (its cache is
     # shared on disk), so that the two compilers overlap
@@ -406,15 +413,15 @@ def main(argv=None):
         from k3trt.plugins import mla_cuda
         mla_cuda.load_extension(verbose=True)
         compiled = True
-        RESULTS["stages"]["compile"] = dict(ok=True, seconds=round(time.time() - t0, 1))
+        report["stages"]["compile"] = dict(ok=True, seconds=round(time.time() - t0, 1))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         msg = str(e)
         print("COMPILER ERROR:\n" + msg[-20000:], flush=True)
-        RESULTS["stages"]["compile"] = dict(ok=False, seconds=round(time.time() - t0, 1),
+        report["stages"]["compile"] = dict(ok=False, seconds=round(time.time() - t0, 1),
                                             error=msg[-20000:])
     print(f"compile: {'ok' if compiled else 'FAILED'} in {time.time() - t0:.1f}s", flush=True)
-    save()
+    report.save()
 
     # 2. smoke test in a child process
     smoke_ok = False
@@ -434,21 +441,21 @@ def main(argv=None):
             line = [x for x in proc.stdout.splitlines() if x.startswith("SMOKE_JSON ")]
             res = json.loads(line[-1][len("SMOKE_JSON "):]) if line else []
             smoke_ok = bool(res) and all(r.get("ok") for r in res)
-            RESULTS["stages"]["smoke"] = dict(ok=smoke_ok, rc=proc.returncode, cases=res,
+            report["stages"]["smoke"] = dict(ok=smoke_ok, rc=proc.returncode, cases=res,
                                               stderr_tail=proc.stderr[-3000:],
                                               seconds=round(time.time() - t0, 1))
         except subprocess.TimeoutExpired as e:
             print(f"smoke child TIMED OUT after {e.timeout}s; stdout tail:\n"
                   f"{(e.stdout or b'')[-5000:]!r}", flush=True)
-            RESULTS["stages"]["smoke"] = dict(ok=False, timeout=True)
+            report["stages"]["smoke"] = dict(ok=False, timeout=True)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            RESULTS["stages"]["smoke"] = dict(ok=False, exception=repr(e))
+            report["stages"]["smoke"] = dict(ok=False, exception=repr(e))
         print(f"smoke: {'ok' if smoke_ok else 'FAILED'} in {time.time() - t0:.1f}s", flush=True)
-        save()
+        report.save()
     # the kernel runs in this process only if it ran cleanly in the child (no crash / hang);
     # with wrong numbers it still runs, to time it (the table shows the error)
-    smoke_ran = compiled and RESULTS["stages"].get("smoke", {}).get("rc") == 0
+    smoke_ran = compiled and report["stages"].get("smoke", {}).get("rc") == 0
 
     if fut:
         t0 = time.time()
@@ -468,9 +475,9 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         ceil = {"copy_gbps": 4250.0, "gemm_tflops": 780.0, "assumed": True, "error": repr(e)}
-    RESULTS["ceilings"] = ceil
+    report["ceilings"] = ceil
     print(json.dumps(ceil), flush=True)
-    save()
+    report.save()
 
     # 4. timing
     cases = [(h, b, c) for h in (int(x) for x in args.heads.split(","))
@@ -484,24 +491,24 @@ def main(argv=None):
         print("\n(skipping CUDA kernel timing: it did not compile or its smoke run crashed)")
     banner(f"4. timing, interleaved: {[kernel_label(*v) for v in variants]}")
     t0 = time.time()
-    rows = time_cases(variants, cases, ceil)
+    rows = time_cases(variants, cases, ceil, report)
     print(f"timing: {time.time() - t0:.1f}s", flush=True)
     banner("summary table (4 rows/request, µs per call, fraction of the roofline)")
     print_table(rows)
-    save()
+    report.save()
 
     # 5. full correctness
     if smoke_ran:
         banner("5. full correctness vs mla_verify_ref")
         t0 = time.time()
-        RESULTS["correctness"] = run_correctness(full=True, schedules=args.schedules.split(","))
-        n_ok = sum(r.get("ok", False) for r in RESULTS["correctness"])
-        print(f"correctness: {n_ok}/{len(RESULTS['correctness'])} ok in {time.time() - t0:.1f}s",
+        report["correctness"] = run_correctness(full=True, schedules=args.schedules.split(","))
+        n_ok = sum(r.get("ok", False) for r in report["correctness"])
+        print(f"correctness: {n_ok}/{len(report['correctness'])} ok in {time.time() - t0:.1f}s",
               flush=True)
-        save()
+        report.save()
     print(f"\ntotal {time.time() - t_start:.1f}s", flush=True)
-    save()
-    all_ok = compiled and smoke_ok and all(r.get("ok") for r in RESULTS["correctness"])
+    report.save()
+    all_ok = compiled and smoke_ok and all(r.get("ok") for r in report["correctness"])
     return 0 if all_ok else 1
 
 

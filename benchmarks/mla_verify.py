@@ -32,6 +32,7 @@ import time
 import torch
 
 from ceilings import measure
+from record import command
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
 FP8 = torch.float8_e4m3fn
@@ -296,7 +297,7 @@ def main(argv=None):
     print("\nsummary")
     print_table(rows)
     with open(args.json, "w") as f:
-        json.dump({"ceilings": ceil, "argv": sys.argv, "rows": rows}, f, indent=1)
+        json.dump({"command": command(__file__, argv), "ceilings": ceil, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd  # noqa: E402
 
 from ceilings import measure, median_ms  # noqa: E402
+from record import command  # noqa: E402
 
 log = logging.getLogger("moe_gemm")
 E, TOPK = 32, 16
@@ -96,7 +97,7 @@ def main() -> None:
               f"{r['torch_ms']:>9.4f} {r['torch_frac']:>5.2f} {r['picked_ms']:>8.4f} {r['picked_frac']:>5.2f} "
               f"{r['best_ms']:>8.4f} {r['best_frac']:>5.2f}  {r['best_config']}")
     if args.json:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "ceilings": ceil, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"command": command(__file__), "ceilings": ceil, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

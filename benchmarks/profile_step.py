@@ -35,6 +35,7 @@ from k3trt.runtime.graphs import GraphSession
 from k3trt.runtime.kv_cache import plan_cache
 
 from ceilings import median_ms   # benchmarks/ (the script's folder) is on sys.path
+from record import command
 
 log = logging.getLogger("profile_step")
 VOCAB = 129408
@@ -161,8 +162,7 @@ def main() -> None:
     model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
     init_random_(model, 0, device="cuda")
     log.info("%s model on the GPU in %.1fs", args.preset, time.perf_counter() - t0)
-    doc = {"command": "python benchmarks/profile_step.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json"),
+    doc = {"command": command(__file__),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     for b in [int(x) for x in args.batches.split(",")]:
         try:

@@ -63,6 +63,7 @@ from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 
 from drive import Progress   # benchmarks/ (the script's folder) is on sys.path
+from record import command
 
 log = logging.getLogger("structured")
 
@@ -303,7 +304,7 @@ def main() -> None:
                "python": platform.python_version(), "load_average_1m": os.getloadavg()[0]}
     if cuda and not args.no_ceilings:
         machine["ceilings"] = ceilings()
-    results = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine,
+    results = {"command": command(__file__), "machine": machine,
                "schema": GUIDED, "preset": args.preset, "dtype": dtype, "cuda": cuda, "graphs": args.graphs,
                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "reps": args.reps, "runs": []}
     log.info("device: %s (%s cores, torch %s, xgrammar %s)%s", machine["device"], machine["cores"], machine["torch"],

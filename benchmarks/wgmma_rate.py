@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k3trt", "plugi
 from gen_wgmma import wrapper  # noqa: E402
 
 from ceilings import measure  # noqa: E402
+from record import command  # noqa: E402
 
 SHAPES = [(48, True), (64, True), (96, True), (128, True), (256, True), (48, False), (64, False)]
 ITERS = 4096
@@ -200,8 +201,7 @@ def main(argv=None) -> int:
                   f"{row['of_full_rate']:>7.3f} {tflops:>8.1f} {row['of_gemm']:>7.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(command="PYTHONPATH=. python benchmarks/wgmma_rate.py " + " ".join(
-                argv if argv is not None else sys.argv[1:]), ceilings=ceil, rows=rows), f, indent=1)
+            json.dump(dict(command=command(__file__, argv), ceilings=ceil, rows=rows), f, indent=1)
     return 0
 
 
