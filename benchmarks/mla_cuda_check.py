@@ -385,8 +385,8 @@ def main(argv=None):
     t_start = time.time()
     props = torch.cuda.get_device_properties(0)
     report["device"] = dict(name=props.name, sms=props.multi_processor_count,
-                             capability=torch.cuda.get_device_capability(0),
-                             torch=torch.__version__, cuda=torch.version.cuda)
+                            capability=torch.cuda.get_device_capability(0),
+                            torch=torch.__version__, cuda=torch.version.cuda)
     print(json.dumps(report["device"]), flush=True)
 
     # Triton's kernels for the timed cases compile in worker processes meanwhile (its cache is
@@ -419,7 +419,7 @@ def main(argv=None):
         msg = str(e)
         print("COMPILER ERROR:\n" + msg[-20000:], flush=True)
         report["stages"]["compile"] = dict(ok=False, seconds=round(time.time() - t0, 1),
-                                            error=msg[-20000:])
+                                           error=msg[-20000:])
     print(f"compile: {'ok' if compiled else 'FAILED'} in {time.time() - t0:.1f}s", flush=True)
     report.save()
 
@@ -442,8 +442,8 @@ def main(argv=None):
             res = json.loads(line[-1][len("SMOKE_JSON "):]) if line else []
             smoke_ok = bool(res) and all(r.get("ok") for r in res)
             report["stages"]["smoke"] = dict(ok=smoke_ok, rc=proc.returncode, cases=res,
-                                              stderr_tail=proc.stderr[-3000:],
-                                              seconds=round(time.time() - t0, 1))
+                                             stderr_tail=proc.stderr[-3000:],
+                                             seconds=round(time.time() - t0, 1))
         except subprocess.TimeoutExpired as e:
             print(f"smoke child TIMED OUT after {e.timeout}s; stdout tail:\n"
                   f"{(e.stdout or b'')[-5000:]!r}", flush=True)
