@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-H200 session's worth of GPU work in one command (device time is scarce: few, full calls).
 #
-#   bash benchmarks/h200.sh STAGE...     stages: tests e2e structured mla_cuda profile mla moe share
+#   bash benchmarks/h200.sh STAGE...     stages: tests e2e structured mla_cuda profile mla moe swap
 #   (default: tests e2e structured mla_cuda; each stage's time limit from TESTS_S, E2E_S, ...)
 #
 # Runs from the repo root on the device machine (the `device` tool: carry .whl, whose wheels the
@@ -49,11 +49,11 @@ for s in "${stages[@]}"; do
                      --json $OUT/profile_q4.json" ;;
         moe) run moe_gemm "${MOE_S:-300}" python benchmarks/moe_gemm.py --json "$OUT/moe_gemm.json" ;;
         mla) run mla_tests "${MLA_S:-300}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_verify_gpu.py ;;
-        share) run share_tests "${SHARE_S:-240}" python -m pytest -q -n 8 -m gpu -p no:cacheprovider \
-                   tests/test_mla_cuda_gpu.py -k "share or swap"
-               run share_ab "${SHARE_AB_S:-300}" python benchmarks/mla_ab.py --variant share=share --kv fp8 \
-                   --cells 12:32:1024,12:32:8192,12:128:1024,12:128:8192,12:128:32768,12:1:8192 \
-                   --json "$OUT/share_ab.json" ;;
+        swap) run swap_tests "${SWAP_S:-240}" python -m pytest -q -n 8 -m gpu -p no:cacheprovider \
+                  tests/test_mla_cuda_gpu.py -k swap
+              run swap_ab "${SWAP_AB_S:-300}" python benchmarks/mla_ab.py --variant pair=pair --kv fp8 \
+                  --cells 12:32:1024,12:32:8192,12:128:1024,12:128:8192,12:128:32768,12:1:8192 \
+                  --json "$OUT/swap_ab.json" ;;
         *) echo "unknown stage $s" ;;
     esac
 done

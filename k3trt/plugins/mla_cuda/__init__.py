@@ -38,11 +38,6 @@ In these two an fp8 cache lands as raw bytes and is expanded in place to fp16 be
   registers, so nothing is expanded through shared memory and no row is padding; one warpgroup
   computes the scores and P, two multiply P into their halves of O (384 threads). The default
   where pick_schedule says so (batch >= 32: it costs more per CTA and wins from a few blocks a CTA).
-- ``share`` (the same file, its kernel template's other instance; same inputs as swap): S^T's
-  k-range split, the value warpgroups computing S^T's partial sums over their own value columns, so
-  that two warpgroups, not one, convert fp8 fragments on the way into the tensor cores, and the
-  scores warpgroup only adds and runs the softmax. Opt-in: it compiles without serialised wgmmas
-  but has not run on a GPU yet (mla_verify_notes.md v16).
 
 Build: torch.utils.cpp_extension.load with nvcc for sm_90a (``-gencode=arch=compute_90a,
 code=sm_90a``: wgmma needs the "a" target). The build is cached by torch under
@@ -80,11 +75,11 @@ CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
 _TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out", 2: "Q tile mbarrier wait timed out",
                   3: "swap kernel: P^T ready mbarrier wait timed out",
                   4: "swap kernel: P^T free mbarrier wait timed out",
-                  5: "share kernel: S^T partial mbarrier wait timed out"}
+                  5: "swap kernel: S^T done mbarrier wait timed out"}
 # kernel schedules (mla_verify_sm90.h): "shared" = both warpgroups on each block (v4), "pair" = the
 # warpgroups on alternate blocks (mla_verify_sm90_pair.cu), "swap" = tokens as the MMA's M, an fp8
 # cache converted in registers (mla_verify_sm90_swap.cu: fp8, at most SWAP_MAX_ROWS rows a request)
-SCHEDULES = {"shared": 0, "pair": 1, "swap": 2, "share": 3}
+SCHEDULES = {"shared": 0, "pair": 1, "swap": 2}
 DEFAULT_SCHEDULE = "pair"
 SWAP_MAX_ROWS = 48
 # The swap kernel has the faster loop but a dearer CTA (batch 1, 1K: 16.1 us against the pair

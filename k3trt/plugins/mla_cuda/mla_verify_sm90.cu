@@ -553,10 +553,10 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
                   swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   };
-  const bool swap = a.schedule == 2 || a.schedule == 3;  // (3: swap's share variant)
+  const bool swap = a.schedule == 2;
   if (swap && (!a.kv_fp8 || a.q_per_req * a.heads > kSwapMaxRows)) {
     snprintf(msg, msg_len, "schedule %s takes an fp8 cache and at most %d rows a request "
-             "(q_per_req %d x heads %d)", a.schedule == 3 ? "share" : "swap", kSwapMaxRows,
+             "(q_per_req %d x heads %d)", "swap", kSwapMaxRows,
              a.q_per_req, a.heads);
     return 1;
   }
@@ -600,7 +600,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   if (a.schedule == 1) {
     e = launch_pair(map, q_map, p, grid, a.kv_fp8, stream);
   } else if (swap) {
-    e = launch_swap(map, q_map, p, grid, a.schedule == 3, stream);
+    e = launch_swap(map, q_map, p, grid, stream);
   } else {
     static const cudaError_t allowed[2] = {allow_smem(mla_verify_sm90_kernel<false>, kSmemAlloc),
                                            allow_smem(mla_verify_sm90_kernel<true>, kSmemAlloc)};

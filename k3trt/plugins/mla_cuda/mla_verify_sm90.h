@@ -14,7 +14,7 @@ struct LaunchArgs {
   const int* seq_lens;    // [B] int32
   int batch, q_per_req, heads, num_splits;
   int wave_splits, min_split_blocks, full_split_blocks;  // the split rule (sm90_common.cuh)
-  int schedule;           // 0: shared-block kernel, 1: pair, 2: swap, 3: swap's share variant
+  int schedule;           // 0: shared-block kernel, 1: pair, 2: swap
   float softmax_scale, kv_scale;
   void* out;              // [B*Q, H, 512] bf16
   float* lse;             // [B*Q, H] fp32

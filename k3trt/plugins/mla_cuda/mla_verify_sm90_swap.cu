@@ -39,22 +39,12 @@
 // fragments left room for two wgmma groups in flight, and it was no faster than the pair kernel
 // (branch wip/swap-ab, 874e8d6; mla_ab_h200.json runs 37-38).
 //
-// The "share" variant (schedule "share", kernel template kShare; not the default until it is measured:
-// mla_verify_notes.md v16) splits S^T's k-range instead, because one warpgroup converting fp8
-// fragments on the way into the tensor cores reaches only 0.53-0.70 of the wgmma rate, two
-// 0.87-0.90 (benchmarks/wgmma_rate.py), and the scores warpgroup's 36 converted k-steps set the
-// landed kernel's pace (v15):
-// - value warpgroup h also computes the block's S^T partial sum over its own 256 value columns (16
-//   k-steps, converted from the chunks it reads for V^T anyway) and rope steps 2h, 2h + 1: 18 of
-//   its 34 wgmmas a block;
-// - the scores warpgroup issues no wgmma: it reads the summed partial, then runs the same softmax.
-// Value warpgroup h, block i: S^T partial of block i + 1; wait for P^T(i); store the partial
-// (kStoreFirst; else after O^T(i)); O^T(i). Warpgroup 0 stores its fp32 partial and signals
-// warpgroup 1 (named barrier), which adds its own and arrives on the partial-ready mbarrier, so one
-// 12 KB buffer holds the sum (fp16 partials, half the bytes, can overflow on large logits). Stored
-// after P^T(i) was ready, partial i + 1 cannot overwrite partial i before it was read; and O^T(i)
-// has retired in both value warpgroups before partial i + 2 exists, so before P^T(i + 2) is
-// written: two P^T tiles, no P-free barrier. Warpgroup 1 also reloads the rope chunk.
+// The value warpgroups start O^T(i) only once S^T(i + 1) has retired (the S^T-done mbarrier), so
+// that O^T runs beside the softmax rather than halving S^T's share of the tensor cores: the scores
+// warpgroup's S^T and softmax set the pace (mla_verify_notes.md v15).
+// Built, measured and dropped (v17): S^T's k-range split over the value warpgroups ("share", no
+// faster), and S^T in e4m3 x e4m3 against Q split exactly into two e4m3 parts (no faster: twice the
+// MACs at twice the rate, and the fp8 conversion it saved was not on the critical path).
 //
 // Lazy rescaling: the running max moves only when a score passes it by more than kLazyMax, so the
 // scores warpgroup votes (bar.red) on whether any did, and takes the columns' maxima only then: a
@@ -63,8 +53,7 @@
 //
 // Shared memory (226 KB): Q^T (48 rows x 576, fp16 / 16 as in the pair kernel's fp8 path, in the
 // permuted column order, 128-byte swizzle), 4 raw blocks x 36 KB, 4 P^T tiles (48 x 64 fp16), the
-// maxima exchange, 4 blocks' factors and flags, the final row sums, visible lengths, 28 mbarriers.
-// (share: 2 P^T tiles, the 12 KB partial, 2 blocks' factors, 23 mbarriers.)
+// maxima exchange, 4 blocks' factors and flags, the final row sums, visible lengths, 32 mbarriers.
 // Same split-K, masking, NaN-safety and output contract as mla_verify_sm90.cu.
 
 #include <cuda.h>
@@ -81,23 +70,17 @@ constexpr int kQChunk = kN * 128;                     // 64 columns of Q^T (fp16
 constexpr int kRawChunk = kChunkBytes;               // [64 tokens x 128 B] fp8
 constexpr int kRawBlock = 4 * kRawChunk + 64 * 64;    // + the rope chunk [64 x 64 B]
 constexpr int kPTile = kN * 128;                      // P^T [48 rows x 64 tokens] fp16
-constexpr int kPart = 24 * 128 * 4;                   // share: S^T partial, float4 [6][128 threads]
-// Shared memory by variant: the landed kernel has 4 P^T tiles and a P-free barrier each; share 2
-// tiles, no P-free barriers and the partial-sum buffer.
-template <bool kShare>
 struct Smem {
-  static constexpr int kTiles = kShare ? 2 : 4;
   static constexpr int kQ = 0;
   static constexpr int kKV = kQ + kChunks * kQChunk;  // raw block i: slot i % 4, + slot kRawBlock
-  static constexpr int kP = kKV + 4 * kRawBlock;      // P^T of block i: tile i % kTiles
-  static constexpr int kPartial = kP + kTiles * kPTile;
-  static constexpr int kRed = kPartial + (kShare ? kPart : 0);  // float [4 warps][48]: the scores
-  static constexpr int kFac = kRed + 4 * kN * 4;      // float [tiles][48]: block i's rescale factors
-  static constexpr int kFlag = kFac + kTiles * kN * 4;  // int [tiles]: whether block i rescales
+  static constexpr int kP = kKV + 4 * kRawBlock;      // P^T of block i: tile i % 4
+  static constexpr int kRed = kP + 4 * kPTile;        // float [4 warps][48]: the scores
+  static constexpr int kFac = kRed + 4 * kN * 4;      // float [4][48]: block i's rescale factors
+  static constexpr int kFlag = kFac + 4 * kN * 4;     // int [4]: whether block i rescales
   static constexpr int kL = kFlag + 16;               // float [48]: the final row sums
   static constexpr int kVis = kL + kN * 4;            // int [48]: visible lengths
-  static constexpr int kBar = kVis + kN * 4;          // 4 slots x 5 chunks, then P ready, P free /
-  static constexpr int kBars = kShare ? 20 + 2 + 1 : 20 + 4 + 4;  // partial ready
+  static constexpr int kBar = kVis + kN * 4;          // 4 slots x 5 chunks, P ready, P free, S^T done
+  static constexpr int kBars = 20 + 4 + 4 + 4;
   static constexpr int kAlloc = kBar + kBars * 8 + 1024;
   static_assert(kKV % 1024 == 0 && kRawBlock % 1024 == 0 && kP % 1024 == 0,
                 "TMA's 128-byte swizzle and wgmma's need 1024-byte aligned tiles");
@@ -106,26 +89,7 @@ struct Smem {
 constexpr int kThreadsSwap = 384;  // value warpgroups 0, 1 (O^T), scores warpgroup 2 (S^T, softmax)
 
 // named barriers (0 is __syncthreads), + warpgroup: its 128 threads
-constexpr int kBarLocal = 1, kBarVote = 4, kBarValues = 7, kBarPart = 8;  // (7, 8: value WGs)
-
-// The share variant's knobs (mla_verify_notes.md v16 has the four builds' ptxas results):
-// kStoreFirst: the partial of block i + 1 stored before O^T(i) (else after it); kShareDepth: S^T /
-// O^T fragments in flight per value warpgroup. Registers by warpgroup (setmaxnreg) must leave ptxas
-// room not to serialise the wgmmas (C7512) and stay within what the launch gave the CTA (168 x 384
-// at __launch_bounds__(384, 1): asking for more hangs the kernel). Depth 2 needs 208 / 88 (the
-// scores warpgroup then spills ~300 B); depth 1 builds clean at 192 / 120.
-constexpr bool kStoreFirst = true;
-constexpr int kShareDepth = 1;
-constexpr int kRegsValue = 192, kRegsScores = 120;
-static_assert(2 * kRegsValue + kRegsScores <= 3 * 168, "over the CTA's register pool");
-template <int N>
-__device__ __forceinline__ void regs_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void regs_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
-}
+constexpr int kBarLocal = 1, kBarVote = 4, kBarValues = 7;  // (7: the value warpgroups)
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -219,45 +183,6 @@ __device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[kDepth][16], u
     for (int k = 0; k < 4; ++k)
       mma(s, f + 4 * k, qdesc + (hc * kQChunk + 32 * k) / 16,
           hc == 0 && k == 0 ? 0 : 1);
-    wgmma_commit();
-  }
-}
-
-// share: value warpgroup h's partial of a block's S^T into s, over the 16 k16 steps of its value
-// chunks 2h, 2h + 1 (4 pieces as in st_block) and rope steps 2h, 2h + 1 (words 2h, 2h + 1 of the
-// rope piece): 5 groups, the fragments' ring index running 0, 1, .. from 0 (ot_block's kFirst says
-// where the next group's follows).
-constexpr int kStPieces = 5;
-template <int kRing>
-__device__ __forceinline__ void st_partial(float* s, uint32_t (&fr)[kRing][16], uint32_t slot, int h,
-                                           uint32_t qbase, uint32_t bars, uint32_t parity, int* err,
-                                           int blk, int w, int g, int q) {
-  const int r0 = 16 * w + g;
-#pragma unroll
-  for (int j = 0; j < kStPieces; ++j) {
-    const bool rope = j == 4;
-    const int c = rope ? 4 : 2 * h + (j >> 1);
-    if ((j & 1) == 0) mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
-    uint4 x[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = r0 + 8 * e;
-      x[e] = ld_shared_v4(rope ? slot + 4 * kRawChunk + r * 64 + q * 16
-                               : slot + c * kRawChunk + r * 128 + (((2 * q + (j & 1)) ^ (r & 7)) << 4));
-    }
-    if (rope && h == 1) x[0].x = x[0].z, x[0].y = x[0].w, x[1].x = x[1].z, x[1].y = x[1].w;
-    wgmma_wait<kRing - 1>();  // (the fragment's last user, kRing groups back, has retired)
-    uint32_t* f = fr[j % kRing];
-    const int steps = rope ? 2 : 4;
-    k_fragment(f, x, steps);
-    // Q^T's columns of the piece (its chunk 2c + j % 2, or chunk 8 from step 2h); the empty asm
-    // keeps the descriptor per group (hoisted, ptxas keeps them all in registers and spills: v15)
-    uint64_t qdesc = sw128_desc(qbase + (rope ? 8 : 2 * c + (j & 1)) * kQChunk + (rope ? 64 * h : 0),
-                                16, 1024);
-    asm volatile("" : "+l"(qdesc));
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < steps; ++k) mma(s, f + 4 * k, qdesc + 2 * k, j == 0 && k == 0 ? 0 : 1);
     wgmma_commit();
   }
 }
@@ -389,12 +314,11 @@ __device__ __forceinline__ void store_pt(float* s, const float* m, float* lsum, 
 
 }  // namespace swap
 
-template <bool kShare>
 __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     mla_verify_sm90_swap_kernel(const __grid_constant__ CUtensorMap kv128,
                                 const __grid_constant__ CUtensorMap kv64, const Params p) {
   using namespace swap;
-  using L = Smem<kShare>;
+  using L = Smem;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t sbase = smem_u32(smem);
@@ -427,15 +351,11 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   const uint32_t bar0 = sbase + L::kBar;  // slot sl, chunk c: bar0 + 8 (5 sl + c)
   const uint32_t rdy0 = bar0 + 8 * 20;     // P^T of a tile written (128 arrivals: the scores WG)
   const uint32_t fre0 = rdy0 + 8 * 4;      // P^T of a tile read (256 arrivals: the value WGs)
-  const uint32_t part = rdy0 + 8 * 2;      // share: the S^T partial stored (128: value WG 1)
+  const uint32_t std0 = fre0 + 8 * 4;      // S^T of a slot's block retired (128: the scores WG)
   if (tid == 0) {
     for (int i = 0; i < 20; ++i) mbar_init(bar0 + 8 * i, 1);
-    if constexpr (kShare) {
-      for (int i = 0; i < 2; ++i) mbar_init(rdy0 + 8 * i, 128);
-      mbar_init(part, 128);
-    } else {
-      for (int i = 0; i < 4; ++i) mbar_init(rdy0 + 8 * i, 128), mbar_init(fre0 + 8 * i, 256);
-    }
+    for (int i = 0; i < 4; ++i)
+      mbar_init(rdy0 + 8 * i, 128), mbar_init(fre0 + 8 * i, 256), mbar_init(std0 + 8 * i, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
   }
@@ -494,8 +414,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   const int tail_blk = (n - 1) / kPage - blo;
 
   if (wg == 2) {
-    // ---- scores warpgroup: S^T (share: the partials' sum), the lazy running max, P^T, the row sums
-    if constexpr (kShare) regs_dec<kRegsScores>();
+    // ---- scores warpgroup: S^T, the lazy running max, P^T, the row sums ----------------------
     const int* vis = reinterpret_cast<const int*>(smem + L::kVis);
     const int all_vis = max(n - (p.q_per_req - 1), 0);  // blocks ending here are seen by every row
     float* red = reinterpret_cast<float*>(smem + L::kRed);
@@ -505,40 +424,28 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     for (int c = 0; c < 12; ++c) m_run[c] = -INFINITY, lsum[c] = 0.f;
 #pragma unroll 1
     for (int i = 0; i < nblk; ++i) {
-      const int sl = i & 3, pt = kShare ? i & 1 : sl;  // raw slot, P^T tile
+      const int sl = i & 3, pt = sl;  // raw slot, P^T tile
       const uint32_t slot = sbase + L::kKV + sl * kRawBlock;
       int pg = 0;
-      if constexpr (kShare) {
-        mbar_wait(part, i & 1, p.err, 5, blo + i, 0);
+      if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
+      uint32_t fr[kDepth][16];
+      st_block(s, fr, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i, w, g, q);
+      wgmma_wait<0>();
 #pragma unroll
-        for (int u = 0; u < 6; ++u) {
-          const uint4 x = ld_shared_v4(sbase + L::kPartial + u * 2048 + 16 * t);
-          s[4 * u] = __uint_as_float(x.x), s[4 * u + 1] = __uint_as_float(x.y);
-          s[4 * u + 2] = __uint_as_float(x.z), s[4 * u + 3] = __uint_as_float(x.w);
-        }
-      } else {
-        if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-        uint32_t fr[kDepth][16];
-        st_block(s, fr, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i, w, g, q);
-        wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 24; ++k) pin(s[k]);
-      }
+      for (int k = 0; k < 24; ++k) pin(s[k]);
+      mbar_arrive(std0 + 8 * sl);
       float m_new[12], f[12];
       const int pos0 = (blo + i) * kPage;
       const bool pass = scale_mask(s, p.scale_log2, pos0 + kPage > all_vis, pos0, vis, m_run, w, g, q);
       // (the vote in block_max: every thread's loads of the slot are done)
       const bool moved = block_max(s, pass, m_run, m_new, red, wg, w, g, q);
-      if constexpr (!kShare)
-        if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 0, 0, true);  // the rope chunk is ours alone
+      if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 0, 0, true);  // the rope chunk is ours alone
       if (moved) {
 #pragma unroll
         for (int c = 0; c < 12; ++c) f[c] = rescale_factor(m_run[c], m_new[c]), lsum[c] *= f[c];
       }
-      // the tile and its factors were last read by the value warpgroups' O^T of block i - 4 (share:
-      // i - 2, retired before partial i existed)
-      if constexpr (!kShare)
-        if (i >= 4) mbar_wait(fre0 + 8 * sl, ((i >> 2) - 1) & 1, p.err, 4, blo + i, sl);
+      // the tile and its factors were last read by the value warpgroups' O^T of block i - 4
+      if (i >= 4) mbar_wait(fre0 + 8 * sl, ((i >> 2) - 1) & 1, p.err, 4, blo + i, sl);
       if (moved && w == 0 && g == 0) {
 #pragma unroll
         for (int c = 0; c < 12; ++c) fac[pt * kN + col_of(c, q)] = f[c];
@@ -548,12 +455,6 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
       for (int c = 0; c < 12; ++c) m_run[c] = m_new[c];
       if (i == tail_blk) {  // raw fp8 rows past the length, zeroed before O^T reads them
-        if constexpr (kShare) {  // (the value warpgroups' S^T reads of the block are done: its
-          // partial is in; the value chunks' TMA, complete for them, is waited for here too)
-#pragma unroll 1
-          for (int c = 0; c < 4; ++c)
-            mbar_wait(bar0 + 8 * (5 * sl + c), (i >> 2) & 1, p.err, 1, blo + i, c);
-        }
         zero_tail_rows(slot, n - (blo + i) * kPage, t);
       }
       fence_proxy_async();
@@ -586,8 +487,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     }
     __syncthreads();  // lfin is complete
   } else {
-    // ---- value warpgroups: O^T[256 wg ..] over every block (share: and S^T's partial) ---------
-    if constexpr (kShare) regs_inc<kRegsValue>();
+    // ---- value warpgroups: O^T[256 wg ..] over every block ------------------------------------
     float acc[96];
 #pragma unroll
     for (int i = 0; i < 96; ++i) acc[i] = 0.f;
@@ -605,86 +505,22 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
           for (int e = 0; e < 2; ++e) acc[24 * m + 4 * (c >> 1) + 2 * e + (c & 1)] *= f;
       }
     };
-    if constexpr (!kShare) {
-      uint32_t fr[2][16];
+    uint32_t fr[2][16];
 #pragma unroll 1
-      for (int i = 0; i < nblk; ++i) {
-        const int sl = i & 3;
-        int pg = 0;
-        if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-        mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, 3, blo + i, sl);
-        if (flag[sl]) rescale(sl);
-        ot_block<2, 0>(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
-                       g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
-        named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done
-        if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 2 * wg, 2, false);
-      }
-    } else {
-      float sp[24];
-      uint32_t fr[kShareDepth][16];
-      const uint32_t pa = sbase + L::kPartial + 16 * t;
-      // the partial out: warpgroup 0 stores it, 1 adds its own and arrives
-      auto store_part = [&] {
-#pragma unroll
-        for (int k = 0; k < 24; ++k) pin(sp[k]);
-        if (wg == 0) {
-#pragma unroll
-          for (int u = 0; u < 6; ++u)
-            st_shared(pa + u * 2048,
-                      make_uint4(__float_as_uint(sp[4 * u]), __float_as_uint(sp[4 * u + 1]),
-                                 __float_as_uint(sp[4 * u + 2]), __float_as_uint(sp[4 * u + 3])));
-          named_arrive(kBarPart);
-        } else {
-          named_bar(kBarPart, 256);
-#pragma unroll
-          for (int u = 0; u < 6; ++u) {
-            const uint4 x = ld_shared_v4(pa + u * 2048);
-            st_shared(pa + u * 2048,
-                      make_uint4(__float_as_uint(sp[4 * u] + __uint_as_float(x.x)),
-                                 __float_as_uint(sp[4 * u + 1] + __uint_as_float(x.y)),
-                                 __float_as_uint(sp[4 * u + 2] + __uint_as_float(x.z)),
-                                 __float_as_uint(sp[4 * u + 3] + __uint_as_float(x.w))));
-          }
-          mbar_arrive(part);
-        }
-      };
-      st_partial(sp, fr, sbase + L::kKV, wg, sbase + L::kQ, bar0, 0, p.err, blo, w, g, q);
-      wgmma_wait<0>();
-      store_part();
-      // O^T's first fragment: after a drain (kStoreFirst) from 0; else it follows S^T's pieces
-      constexpr int kFirst = kStoreFirst ? 0 : kStPieces % kShareDepth;
-      // block i: the partial of i + 1 (kNext; the last block has none: peeled, because a wgmma issued
-      // under a runtime condition makes ptxas serialise them all, C7513), then O^T(i)
-      auto step = [&](int i, auto next) {
-        constexpr bool kNext = decltype(next)::value;
-        const int sl = i & 3, pt = i & 1;
-        int pg = 0;
-        if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-        if constexpr (kNext) {
-          const int sn = (i + 1) & 3;
-          st_partial(sp, fr, sbase + L::kKV + sn * kRawBlock, wg, sbase + L::kQ, bar0 + 8 * 5 * sn,
-                     ((i + 1) >> 2) & 1, p.err, blo + i + 1, w, g, q);
-        }
-        mbar_wait(rdy0 + 8 * pt, (i >> 1) & 1, p.err, 3, blo + i, pt);
-        if constexpr (kStoreFirst) {
-          wgmma_wait<0>();
-          if constexpr (kNext) store_part();
-        }
-        if (flag[pt]) rescale(pt);
-        ot_block<kShareDepth, kFirst>(acc, fr, sbase + L::kKV + sl * kRawBlock,
-                                      sbase + L::kP + pt * kPTile, wg, w, g, q, 0u);
-        // (a drain either way before the next block's pieces: with O^T in flight into them
-        // ptxas serialised every wgmma, C7513)
-        if constexpr (!kStoreFirst || kShareDepth > 1) wgmma_wait<0>();
-        if constexpr (!kStoreFirst && kNext) store_part();
-        named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done
-        // (warpgroup 1 also reloads the rope chunk: warpgroup 0's reads of it, for partial i, were
-        // done when it stored that partial, which warpgroup 1 waited for)
-        if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 2 * wg, 2, wg == 1);
-      };
-#pragma unroll 1
-      for (int i = 0; i + 1 < nblk; ++i) step(i, std::true_type{});
-      step(nblk - 1, std::false_type{});
+    for (int i = 0; i < nblk; ++i) {
+      const int sl = i & 3;
+      int pg = 0;
+      if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
+      mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, 3, blo + i, sl);
+      if (flag[sl]) rescale(sl);
+      // O^T(i) once S^T(i + 1) has retired: beside the scores warpgroup's softmax(i + 1), not
+      // competing with S^T(i + 1) for the tensor cores (2-5% at 8K-32K, mla_ab_h200.json run 48)
+      if (i + 1 < nblk)
+        mbar_wait(std0 + 8 * ((i + 1) & 3), ((i + 1) >> 2) & 1, p.err, 5, blo + i + 1, (i + 1) & 3);
+      ot_block<2, 0>(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
+                     g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
+      named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done
+      if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 2 * wg, 2, false);
     }
     wgmma_wait<0>();
     pin_acc(acc);
@@ -722,20 +558,11 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 }
 
 cudaError_t launch_swap(const CUtensorMap& kv128, const CUtensorMap& kv64, const Params& p,
-                        dim3 grid, bool share, cudaStream_t stream) {
-  if (share) {
-    static const cudaError_t allowed =
-        allow_smem(mla_verify_sm90_swap_kernel<true>, swap::Smem<true>::kAlloc);
-    if (allowed != cudaSuccess) return allowed;
-    mla_verify_sm90_swap_kernel<true>
-        <<<grid, swap::kThreadsSwap, swap::Smem<true>::kAlloc, stream>>>(kv128, kv64, p);
-  } else {
-    static const cudaError_t allowed =
-        allow_smem(mla_verify_sm90_swap_kernel<false>, swap::Smem<false>::kAlloc);
-    if (allowed != cudaSuccess) return allowed;
-    mla_verify_sm90_swap_kernel<false>
-        <<<grid, swap::kThreadsSwap, swap::Smem<false>::kAlloc, stream>>>(kv128, kv64, p);
-  }
+                        dim3 grid, cudaStream_t stream) {
+  static const cudaError_t allowed = allow_smem(mla_verify_sm90_swap_kernel, swap::Smem::kAlloc);
+  if (allowed != cudaSuccess) return allowed;
+  mla_verify_sm90_swap_kernel<<<grid, swap::kThreadsSwap, swap::Smem::kAlloc, stream>>>(kv128, kv64,
+                                                                                      p);
   return cudaGetLastError();
 }
 

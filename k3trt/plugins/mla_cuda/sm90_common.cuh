@@ -519,8 +519,8 @@ cudaError_t launch_pair(const CUtensorMap& kv_map, const CUtensorMap& q_map, con
                         dim3 grid, bool fp8, cudaStream_t stream);
 // launches the swap-AB kernel (mla_verify_sm90_swap.cu: fp8 cache, rows_per_req <= 48); kv128 /
 // kv64: the raw cache as [pages*64, 576] bytes in 128-byte boxes with the 128-byte swizzle / 64-byte
-// boxes without; share: its variant with S^T's k-range split over the warpgroups
+// boxes without
 cudaError_t launch_swap(const CUtensorMap& kv128, const CUtensorMap& kv64, const Params& p,
-                        dim3 grid, bool share, cudaStream_t stream);
+                        dim3 grid, cudaStream_t stream);
 
 }  // namespace k3mla
