@@ -555,9 +555,8 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   };
   const bool swap = a.schedule == 2;
   if (swap && (!a.kv_fp8 || a.q_per_req * a.heads > kSwapMaxRows)) {
-    snprintf(msg, msg_len, "schedule %s takes an fp8 cache and at most %d rows a request "
-             "(q_per_req %d x heads %d)", "swap", kSwapMaxRows,
-             a.q_per_req, a.heads);
+    snprintf(msg, msg_len, "schedule swap takes an fp8 cache and at most %d rows a request "
+             "(q_per_req %d x heads %d)", kSwapMaxRows, a.q_per_req, a.heads);
     return 1;
   }
   CUtensorMap map, q_map;

@@ -58,8 +58,6 @@
 
 #include <cuda.h>
 
-#include <type_traits>
-
 #include "sm90_common.cuh"
 
 namespace k3mla {
