@@ -310,7 +310,8 @@ def time_cases(variants, cases, ceil, report):
                     row.update(us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
                                roofline_us=round(roof, 2), fraction=round(roof / us, 3),
                                bound="memory" if t_mem >= t_mma else "compute")
-                fm = FLASHMLA_US.get((heads, batch, ctx))
+                # (H200 anchors: no ratio across two devices)
+                fm = FLASHMLA_US.get((heads, batch, ctx)) if "H200" in ceil["device"] else None
                 if fm and kv == "bf16":
                     row["flashmla_us"] = fm
                 print("  " + json.dumps(row), flush=True)

@@ -24,36 +24,51 @@
 // The raw block in shared memory: four [64 tokens x 128 B] chunks (value columns, TMA with the
 // 128-byte swizzle, which makes both load patterns conflict-free) and the rope chunk [64 x 64 B].
 //
-// Warp specialisation (384 threads), as in FlashAttention-3:
-// - the scores warpgroup (2) computes S^T of every block, the lazy running max, P^T (to one of four
-//   shared tiles, by stmatrix .trans) and the row sums, and publishes, per block, whether the max
-//   moved and the factors (rare);
+// Warp specialisation (512 threads), as in FlashAttention-3:
+// - two scores warpgroups (2, 3) take alternate blocks ("ping-pong"): S^T, the lazy running max,
+//   P^T (to one of four shared tiles, by stmatrix .trans) and their row sums, and publish, per
+//   block, whether the max moved and the factors (rare);
 // - value warpgroups 0 and 1 each own 256 of the 512 value columns of O^T (4 M tiles x 48 rows: 96
-//   fp32 registers) and multiply every block's V^T · P^T into them, rescaling first when told.
-// Per-block mbarriers (P^T ready: the scores warpgroup's 128 arrivals; P^T free: the value
-// warpgroups' 256, once their wgmmas on the tile retired) let the scores warpgroup run up to three
+//   fp32 registers) and multiply every block's V^T · P^T into them in block order, rescaling first
+//   when told.
+// Per-block mbarriers (P^T ready: the block's scores warpgroup's 128 arrivals; P^T free: the value
+// warpgroups' 256, once their wgmmas on the tile retired) let the scores warpgroups run up to three
 // blocks ahead through a ring of four raw blocks (TMA, refilled four blocks ahead by the warpgroup
 // that last reads each chunk: value chunks 0-1 by warpgroup 0, 2-3 by 1, the rope chunk by the
-// scores warpgroup). The first version had two warpgroups each doing everything for alternate
-// blocks (the pair schedule transposed): 96 accumulator registers plus S^T, the softmax and the
-// fragments left room for two wgmma groups in flight, and it was no faster than the pair kernel
-// (branch wip/swap-ab, 874e8d6; mla_ab_h200.json runs 37-38).
+// block's scores warpgroup, whose parity block i + 4 shares).
+//
+// Why two scores warpgroups: with one, its S^T and softmax were the critical path (~100 clocks a
+// m64n48k16 wgmma against 24 at the full rate: one warpgroup's chain of fragment loads, conversions
+// and issues; a phase profile and the e4m3 experiment in mla_verify_notes.md v17). Two chains of
+// S^T overlap, and each warpgroup has two blocks' time for its softmax. O^T has a single max, so
+// the running max stays one chain in block order: block i waits for block i - 1's max (the
+// max-ready mbarrier of i % 2, published in shared memory with the factors), votes against it and
+// publishes its own; each warpgroup's row sums follow the other's moves through those factors.
+// Registers (setmaxnreg, the SM's 64K over 512 threads): value warpgroups 144 with one O^T fragment
+// in flight, scores warpgroups 112 (two fragments). The split 168 / 88 with two O^T fragments
+// spilled the scores warpgroups' loop and was slower than one scores warpgroup (v18).
+// Measured (mla_ab_h200.json run 50, an H100, fp8, 12 heads): 15% faster than one scores warpgroup
+// at batch 128 / 8K (234.7 against 270.2 us, 0.85 of the roofline), 22% at 128 / 32K, 19% at 256 / 8K,
+// 4-9% at batch 32 from 8K, equal at 128 / 1K and 9% slower at 32 / 1K (few blocks a CTA: the chain's
+// fill and the second warpgroup's start are not amortised).
 //
 // The value warpgroups start O^T(i) only once S^T(i + 1) has retired (the S^T-done mbarrier), so
-// that O^T runs beside the softmax rather than halving S^T's share of the tensor cores: the scores
-// warpgroup's S^T and softmax set the pace (mla_verify_notes.md v15).
+// that O^T runs beside the softmax rather than taking S^T's share of the tensor cores (kOrder).
 // Built, measured and dropped (v17): S^T's k-range split over the value warpgroups ("share", no
 // faster), and S^T in e4m3 x e4m3 against Q split exactly into two e4m3 parts (no faster: twice the
-// MACs at twice the rate, and the fp8 conversion it saved was not on the critical path).
+// MACs at twice the rate, and the fp8 conversion it saved was not on the critical path). The first
+// version of this kernel had two warpgroups each doing everything for alternate blocks (the pair
+// schedule transposed), no faster than the pair kernel (mla_ab_h200.json runs 37-38).
 //
 // Lazy rescaling: the running max moves only when a score passes it by more than kLazyMax, so the
 // scores warpgroup votes (bar.red) on whether any did, and takes the columns' maxima only then: a
 // vote per block instead of 36 shuffles and an exchange (at 8K-32K: 0.93-0.97 of the pair kernel's
 // time before, 0.84-0.89 after; mla_ab_h200.json runs 39-40).
 //
-// Shared memory (226 KB): Q^T (48 rows x 576, fp16 / 16 as in the pair kernel's fp8 path, in the
+// Shared memory (226.5 KB): Q^T (48 rows x 576, fp16 / 16 as in the pair kernel's fp8 path, in the
 // permuted column order, 128-byte swizzle), 4 raw blocks x 36 KB, 4 P^T tiles (48 x 64 fp16), the
-// maxima exchange, 4 blocks' factors and flags, the final row sums, visible lengths, 32 mbarriers.
+// maxima exchange of each scores warpgroup, 4 blocks' factors and flags, the final row sums, visible
+// lengths, the running max and the chain's factors, 34 mbarriers.
 // Same split-K, masking, NaN-safety and output contract as mla_verify_sm90.cu.
 
 #include <cuda.h>
@@ -72,22 +87,41 @@ struct Smem {
   static constexpr int kQ = 0;
   static constexpr int kKV = kQ + kChunks * kQChunk;  // raw block i: slot i % 4, + slot kRawBlock
   static constexpr int kP = kKV + 4 * kRawBlock;      // P^T of block i: tile i % 4
-  static constexpr int kRed = kP + 4 * kPTile;        // float [4 warps][48]: the scores
-  static constexpr int kFac = kRed + 4 * kN * 4;      // float [4][48]: block i's rescale factors
+  static constexpr int kRed = kP + 4 * kPTile;        // float [2 scores WGs][4 warps][48]
+  static constexpr int kFac = kRed + 2 * 4 * kN * 4;  // float [4][48]: block i's rescale factors
   static constexpr int kFlag = kFac + 4 * kN * 4;     // int [4]: whether block i rescales
   static constexpr int kL = kFlag + 16;               // float [48]: the final row sums
   static constexpr int kVis = kL + kN * 4;            // int [48]: visible lengths
-  static constexpr int kBar = kVis + kN * 4;          // 4 slots x 5 chunks, P ready, P free, S^T done
-  static constexpr int kBars = 20 + 4 + 4 + 4;
+  static constexpr int kM = kVis + kN * 4;            // float [48]: the running max
+  static constexpr int kChain = kM + kN * 4;          // float [2][48]: block i's factors, by i % 2
+  static constexpr int kCFlag = kChain + 2 * kN * 4;  // int [2]: whether block i moved the max
+  static constexpr int kBar = kCFlag + 16;  // 4 slots x 5 chunks, P ready, P free, S^T done, max ready
+  static constexpr int kBars = 20 + 4 + 4 + 4 + 2;
   static constexpr int kAlloc = kBar + kBars * 8 + 1024;
   static_assert(kKV % 1024 == 0 && kRawBlock % 1024 == 0 && kP % 1024 == 0,
                 "TMA's 128-byte swizzle and wgmma's need 1024-byte aligned tiles");
   static_assert(kAlloc <= 232448, "shared memory over the sm_90 limit");
 };
-constexpr int kThreadsSwap = 384;  // value warpgroups 0, 1 (O^T), scores warpgroup 2 (S^T, softmax)
+constexpr int kThreadsSwap = 512;  // value warpgroups 0, 1 (O^T), scores warpgroups 2, 3 (S^T, softmax)
 
-// named barriers (0 is __syncthreads), + warpgroup: its 128 threads
-constexpr int kBarLocal = 1, kBarVote = 4, kBarValues = 7;  // (7: the value warpgroups)
+// named barriers (0 is __syncthreads), + warpgroup: its 128 threads; kBarValues: the two value
+// warpgroups, kBarScores: the two scores warpgroups
+constexpr int kBarLocal = 1, kBarVote = 5, kBarValues = 9, kBarScores = 10;
+
+// Registers by warpgroup (setmaxnreg): 2 x 128 x (kRegsValue + kRegsScores) <= the 64K of the SM.
+// The value warpgroups hold O^T (96) and one V^T fragment (16); the scores warpgroups two K fragments.
+constexpr int kRegsValue = 144, kRegsScores = 112;
+static_assert(2 * kRegsValue + 2 * kRegsScores <= 4 * 128, "over the CTA's register pool");
+// O^T(i) waits for S^T(i + 1) to retire
+constexpr bool kOrder = true;
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -231,11 +265,9 @@ __device__ __forceinline__ void pin_acc(float* acc) {
 }
 
 // Scale and mask the block's scores (tokens past a row's visible length -> -inf, which also
-// replaces NaN read from slots past the length); whether any of the thread's scores passes its
-// column's running max by more than kLazyMax.
-__device__ __forceinline__ bool scale_mask(float* s, float scale, bool masked, int pos0,
-                                           const int* vis, const float* m_run, int w, int g, int q) {
-  bool pass = false;
+// replaces NaN read from slots past the length).
+__device__ __forceinline__ void scale_mask(float* s, float scale, bool masked, int pos0,
+                                           const int* vis, int w, int g, int q) {
 #pragma unroll
   for (int c = 0; c < 12; ++c) {
     const int jn = c >> 1, e = c & 1;
@@ -247,7 +279,16 @@ __device__ __forceinline__ bool scale_mask(float* s, float scale, bool masked, i
     }
     s[4 * jn + e] = v0;
     s[4 * jn + 2 + e] = v1;
-    pass |= fmaxf(v0, v1) > m_run[c] + kLazyMax;  // (m_run = -inf: any finite score)
+  }
+}
+
+// whether any of the thread's scores passes its column's running max by more than kLazyMax
+__device__ __forceinline__ bool passes(const float* s, const float* m_run) {
+  bool pass = false;
+#pragma unroll
+  for (int c = 0; c < 12; ++c) {
+    const int jn = c >> 1, e = c & 1;
+    pass |= fmaxf(s[4 * jn + e], s[4 * jn + 2 + e]) > m_run[c] + kLazyMax;  // (-inf: any finite)
   }
   return pass;
 }
@@ -333,15 +374,14 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   const long row_base = static_cast<long>(b) * p.rows_per_req;
   // Q^T's global loads first: their latency overlaps the length read, the split range and the
   // first TMA issues (a CTA left without blocks drops them)
-  constexpr int kPieces = kN * (kD / 8), kPer = kPieces / kThreadsSwap;
-  static_assert(kPieces % kThreadsSwap == 0, "Q^T pieces split evenly");
+  constexpr int kPieces = kN * (kD / 8), kPer = (kPieces + kThreadsSwap - 1) / kThreadsSwap;
   uint4 qv[kPer];
   {
     const uint16_t* qg = reinterpret_cast<const uint16_t*>(p.q);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int i = tid + kThreadsSwap * k, r = i / (kD / 8), pc = i % (kD / 8);
-      qv[k] = r < p.rows_per_req
+      qv[k] = i < kPieces && r < p.rows_per_req
                   ? __ldg(reinterpret_cast<const uint4*>(qg + (row_base + r) * kD + pc * 8))
                   : make_uint4(0, 0, 0, 0);
     }
@@ -349,11 +389,13 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   const uint32_t bar0 = sbase + L::kBar;  // slot sl, chunk c: bar0 + 8 (5 sl + c)
   const uint32_t rdy0 = bar0 + 8 * 20;     // P^T of a tile written (128 arrivals: the scores WG)
   const uint32_t fre0 = rdy0 + 8 * 4;      // P^T of a tile read (256 arrivals: the value WGs)
-  const uint32_t std0 = fre0 + 8 * 4;      // S^T of a slot's block retired (128: the scores WG)
+  const uint32_t std0 = fre0 + 8 * 4;      // S^T of a slot's block retired (128: its scores WG)
+  const uint32_t mrd0 = std0 + 8 * 4;      // block i % 2's max and factors published (128)
   if (tid == 0) {
     for (int i = 0; i < 20; ++i) mbar_init(bar0 + 8 * i, 1);
     for (int i = 0; i < 4; ++i)
       mbar_init(rdy0 + 8 * i, 128), mbar_init(fre0 + 8 * i, 256), mbar_init(std0 + 8 * i, 128);
+    for (int i = 0; i < 2; ++i) mbar_init(mrd0 + 8 * i, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
   }
@@ -391,6 +433,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int i = tid + kThreadsSwap * k, r = i / (kD / 8), pc = i % (kD / 8);
+      if (i >= kPieces) break;
       const uint32_t words[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -402,6 +445,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     if (tid < kN) {  // row m = j*H + h sees n - (Q-1-j) tokens; padding rows none
       reinterpret_cast<int*>(smem + L::kVis)[tid] =
           tid < p.rows_per_req ? max(n - (p.q_per_req - 1 - tid / p.heads), 0) : 0;
+      reinterpret_cast<float*>(smem + L::kM)[tid] = -INFINITY;
     }
     fence_proxy_async();
   }
@@ -411,17 +455,35 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   float* lfin = reinterpret_cast<float*>(smem + L::kL);
   const int tail_blk = (n - 1) / kPage - blo;
 
-  if (wg == 2) {
-    // ---- scores warpgroup: S^T, the lazy running max, P^T, the row sums ----------------------
+  if (wg >= 2) {
+    // ---- scores warpgroups: S^T, the running max, P^T, the row sums of alternate blocks -------
+    // Scores warpgroup sw takes blocks sw, sw + 2, ...; the running max is one chain through the
+    // blocks in order (the value warpgroups' O^T has a single max): block i waits for block i - 1's
+    // max (the max-ready mbarrier of i % 2), votes against it, and publishes its own. Each
+    // warpgroup's row sums stay at the max of its last block; the other's moves reach them by the
+    // chain's factors.
+    regs_dec<kRegsScores>();
+    const int sw = wg - 2;
     const int* vis = reinterpret_cast<const int*>(smem + L::kVis);
     const int all_vis = max(n - (p.q_per_req - 1), 0);  // blocks ending here are seen by every row
-    float* red = reinterpret_cast<float*>(smem + L::kRed);
+    float* red = reinterpret_cast<float*>(smem + L::kRed) + sw * 4 * kN;
+    float* mrun = reinterpret_cast<float*>(smem + L::kM);
+    float* cfac = reinterpret_cast<float*>(smem + L::kChain);
+    volatile int* cflag = reinterpret_cast<volatile int*>(smem + L::kCFlag);
     float s[24];
-    float m_run[12], lsum[12];
+    float lsum[12];
 #pragma unroll
-    for (int c = 0; c < 12; ++c) m_run[c] = -INFINITY, lsum[c] = 0.f;
+    for (int c = 0; c < 12; ++c) lsum[c] = 0.f;
+    // block j (the other warpgroup's): its max published; the row sums taken to it
+    auto chain_in = [&](int j) {
+      mbar_wait(mrd0 + 8 * (j & 1), (j >> 1) & 1, p.err, 6, blo + j, j & 1);
+      if (cflag[j & 1]) {
+#pragma unroll
+        for (int c = 0; c < 12; ++c) lsum[c] *= cfac[(j & 1) * kN + col_of(c, q)];
+      }
+    };
 #pragma unroll 1
-    for (int i = 0; i < nblk; ++i) {
+    for (int i = sw; i < nblk; i += 2) {
       const int sl = i & 3, pt = sl;  // raw slot, P^T tile
       const uint32_t slot = sbase + L::kKV + sl * kRawBlock;
       int pg = 0;
@@ -432,33 +494,45 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
       for (int k = 0; k < 24; ++k) pin(s[k]);
       mbar_arrive(std0 + 8 * sl);
-      float m_new[12], f[12];
       const int pos0 = (blo + i) * kPage;
-      const bool pass = scale_mask(s, p.scale_log2, pos0 + kPage > all_vis, pos0, vis, m_run, w, g, q);
-      // (the vote in block_max: every thread's loads of the slot are done)
-      const bool moved = block_max(s, pass, m_run, m_new, red, wg, w, g, q);
-      if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 0, 0, true);  // the rope chunk is ours alone
+      scale_mask(s, p.scale_log2, pos0 + kPage > all_vis, pos0, vis, w, g, q);
+      if (i > 0) chain_in(i - 1);
+      float m_prev[12], m_new[12];
+#pragma unroll
+      for (int c = 0; c < 12; ++c) m_prev[c] = mrun[col_of(c, q)];
+      // (the vote in block_max: every thread's loads of the slot and of mrun are done)
+      const bool moved = block_max(s, passes(s, m_prev), m_prev, m_new, red, wg, w, g, q);
       if (moved) {
 #pragma unroll
-        for (int c = 0; c < 12; ++c) f[c] = rescale_factor(m_run[c], m_new[c]), lsum[c] *= f[c];
+        for (int c = 0; c < 12; ++c) {
+          const float f = rescale_factor(m_prev[c], m_new[c]);
+          lsum[c] *= f;
+          if (w == 0 && g == 0) {
+            const int col = col_of(c, q);
+            mrun[col] = m_new[c];
+            cfac[(i & 1) * kN + col] = f;
+          }
+        }
       }
+      if (t == 0) cflag[i & 1] = moved;
+      mbar_arrive(mrd0 + 8 * (i & 1));
+      if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 0, 0, true);  // the rope chunk is ours alone
       // the tile and its factors were last read by the value warpgroups' O^T of block i - 4
       if (i >= 4) mbar_wait(fre0 + 8 * sl, ((i >> 2) - 1) & 1, p.err, 4, blo + i, sl);
-      if (moved && w == 0 && g == 0) {
+      if (moved && w == 0 && g == 0) {  // (cfac[i % 2] is next written by this warpgroup's i + 2)
 #pragma unroll
-        for (int c = 0; c < 12; ++c) fac[pt * kN + col_of(c, q)] = f[c];
+        for (int c = 0; c < 12; ++c) fac[pt * kN + col_of(c, q)] = cfac[(i & 1) * kN + col_of(c, q)];
       }
       if (t == 0) flag[pt] = moved;
       store_pt(s, m_new, lsum, sbase + L::kP + pt * kPTile, w, lane);
-#pragma unroll
-      for (int c = 0; c < 12; ++c) m_run[c] = m_new[c];
       if (i == tail_blk) {  // raw fp8 rows past the length, zeroed before O^T reads them
         zero_tail_rows(slot, n - (blo + i) * kPage, t);
       }
       fence_proxy_async();
       mbar_arrive(rdy0 + 8 * pt);
     }
-    // row sums over the 8 lanes of a column and the 4 warps; LSE
+    if (((nblk - 1) & 1) != sw) chain_in(nblk - 1);  // the row sums at the final max
+    // row sums over the 8 lanes of a column, the 4 warps and the 2 warpgroups; LSE
 #pragma unroll
     for (int c = 0; c < 12; ++c) {
       lsum[c] += __shfl_xor_sync(~0u, lsum[c], 4);
@@ -469,15 +543,18 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
       for (int c = 0; c < 12; ++c) red[w * kN + col_of(c, q)] = lsum[c];
     }
-    named_bar(kBarLocal + 2, 128);
-    if (w == 0 && g == 0) {  // lanes 0..3: 12 columns each
+    named_bar(kBarScores, 256);
+    if (sw == 0 && w == 0 && g == 0) {  // lanes 0..3: 12 columns each
+      const float* red2 = reinterpret_cast<const float*>(smem + L::kRed);
 #pragma unroll
       for (int c = 0; c < 12; ++c) {
         const int col = col_of(c, q);
-        const float l = red[col] + red[kN + col] + red[2 * kN + col] + red[3 * kN + col];
+        float l = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) l += red2[k * kN + col];
         lfin[col] = l;
         if (col >= p.rows_per_req) continue;
-        const float lse = l > 0.f ? (m_run[c] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+        const float lse = l > 0.f ? (mrun[col] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
         const long gr = row_base + col;
         if (sr.split_out()) p.part_lse[gr * p.num_splits + blockIdx.y] = lse;
         else p.lse[gr] = lse;
@@ -486,6 +563,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     __syncthreads();  // lfin is complete
   } else {
     // ---- value warpgroups: O^T[256 wg ..] over every block ------------------------------------
+    regs_inc<kRegsValue>();
     float acc[96];
 #pragma unroll
     for (int i = 0; i < 96; ++i) acc[i] = 0.f;
@@ -503,7 +581,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
           for (int e = 0; e < 2; ++e) acc[24 * m + 4 * (c >> 1) + 2 * e + (c & 1)] *= f;
       }
     };
-    uint32_t fr[2][16];
+    uint32_t fr[1][16];
 #pragma unroll 1
     for (int i = 0; i < nblk; ++i) {
       const int sl = i & 3;
@@ -513,9 +591,9 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       if (flag[sl]) rescale(sl);
       // O^T(i) once S^T(i + 1) has retired: beside the scores warpgroup's softmax(i + 1), not
       // competing with S^T(i + 1) for the tensor cores (2-5% at 8K-32K, mla_ab_h200.json run 48)
-      if (i + 1 < nblk)
+      if (kOrder && i + 1 < nblk)
         mbar_wait(std0 + 8 * ((i + 1) & 3), ((i + 1) >> 2) & 1, p.err, 5, blo + i + 1, (i + 1) & 3);
-      ot_block<2, 0>(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
+      ot_block<1, 0>(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
                      g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
       named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done
       if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 2 * wg, 2, false);
