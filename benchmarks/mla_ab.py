@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cells = parse_cells(args.cells, "--cells")  # (before the builds: a typo fails at once)
+    if args.resident < 0:
+        raise SystemExit(f"--resident: {args.resident} pages (need 0 for the real cache, or > 0)")
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
     exts = {}  # label -> (build, launch options)
