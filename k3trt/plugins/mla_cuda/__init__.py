@@ -35,8 +35,9 @@ mbarrier per 8 KB chunk, and each warpgroup reloads the chunks it was the last t
 In these two an fp8 cache lands as raw bytes and is expanded in place to fp16 before the same MMAs.
 - ``swap`` (mla_verify_sm90_swap.cu; an fp8 cache and at most 48 rows a request, 12 heads x 4 at
   TP 8): the tokens are the MMA's M dimension and the cache its A operand, converted from fp8 in
-  registers, so nothing is expanded through shared memory and no row is padding; one warpgroup
-  computes the scores and P, two multiply P into their halves of O (384 threads). The default
+  registers, so nothing is expanded through shared memory and no row is padding; two warpgroups
+  compute the scores and P of alternate blocks, two multiply P into their halves of O (512
+  threads). The default
   where pick_schedule says so (batch >= 32: it costs more per CTA and wins from a few blocks a CTA).
 
 Build: torch.utils.cpp_extension.load with nvcc for sm_90a (``-gencode=arch=compute_90a,
