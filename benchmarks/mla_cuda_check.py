@@ -253,7 +253,7 @@ def interleaved_graph_us(calls: dict, per_graph: int = 10, rounds: int = 9) -> d
 def time_cases(variants, cases, ceil, report):
     """variants: (kernel, schedule, split rule name) tuples, kernel "cuda" or "triton"; all
     variants of a case are checked against the reference, then timed interleaved."""
-    from mla_verify import FLASHMLA_US, make_cache
+    from mla_verify import flashmla_us, make_cache
 
     from k3trt.plugins.mla_verify import mla_verify_ref
     rows = []
@@ -310,8 +310,7 @@ def time_cases(variants, cases, ceil, report):
                     row.update(us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
                                roofline_us=round(roof, 2), fraction=round(roof / us, 3),
                                bound="memory" if t_mem >= t_mma else "compute")
-                # (H200 anchors: no ratio across two devices)
-                fm = FLASHMLA_US.get((heads, batch, ctx)) if "H200" in ceil["device"] else None
+                fm = flashmla_us(heads, batch, ctx, ceil["device"])
                 if fm and kv == "bf16":
                     row["flashmla_us"] = fm
                 print("  " + json.dumps(row), flush=True)

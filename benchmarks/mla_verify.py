@@ -47,6 +47,12 @@ FLASHMLA_US = {
     (96, 128, 1024): 209.8, (96, 128, 8192): 1493.8, (96, 128, 32768): 5981.3}
 
 
+def flashmla_us(heads: int, batch: int, ctx: int, device: str) -> float | None:
+    """FlashMLA's time for a cell, only on an H200: the anchors are H200 times, and a ratio on any
+    other card would compare two devices."""
+    return FLASHMLA_US.get((heads, batch, ctx)) if "H200" in device else None
+
+
 def parse_cells(text: str, flag: str, sep: str = ",") -> list[tuple[int, int, int]]:
     """heads:batch:ctx cells separated by sep; a malformed one is named with its flag."""
     cells = []
@@ -217,8 +223,7 @@ def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
                us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), tflops=round(flops / us / 1e6, 1),
                roofline_us=round(roof, 2), bound="memory" if t_mem >= t_mma else "compute",
                fraction=round(roof / us, 3), rel_err=float(f"{err:.3g}"), nan=nan)
-    # The anchors are H200 times: a ratio on any other card would compare two devices.
-    fm = FLASHMLA_US.get((heads, batch, ctx)) if "H200" in ceil["device"] else None
+    fm = flashmla_us(heads, batch, ctx, ceil["device"])
     if fm:
         row["flashmla_us"] = fm
         row["speedup_vs_flashmla"] = round(fm / us, 2)
