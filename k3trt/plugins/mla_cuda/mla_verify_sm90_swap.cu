@@ -264,7 +264,7 @@ __device__ __forceinline__ void pin_acc(float* acc) {
   for (int k = 0; k < 96; ++k) pin(acc[k]);
 }
 
-// Scale and mask the block's scores (tokens past a row's visible length -> -inf, which also
+// Mask the block's scores (tokens past a row's visible length -> -inf, which also
 // replaces NaN read from slots past the length). The mask is a call: inline, ptxas predicates it,
 // and its ~75 instructions then issue in every block, not just the tail ones (notes v19).
 struct Scores {
@@ -280,10 +280,8 @@ __device__ __noinline__ Scores mask_scores(Scores x, int pos0, const int* vis, i
   }
   return x;
 }
-__device__ __forceinline__ void scale_mask(float* s, float scale, bool masked, int pos0,
-                                           const int* vis, int w, int g, int q) {
-#pragma unroll
-  for (int k = 0; k < 24; ++k) s[k] *= scale;
+__device__ __forceinline__ void mask(float* s, bool masked, int pos0, const int* vis, int w, int g,
+                                     int q) {
   if (masked) {
     Scores x;
 #pragma unroll
@@ -294,13 +292,16 @@ __device__ __forceinline__ void scale_mask(float* s, float scale, bool masked, i
   }
 }
 
-// whether any of the thread's scores passes its column's running max by more than kLazyMax
-__device__ __forceinline__ bool passes(const float* s, const float* m_run) {
+// whether any of the thread's scores passes its column's running max by more than kLazyMax (the
+// scores unscaled: against (m + kLazyMax) / scale, 12 FFMA instead of scaling 24 scores)
+__device__ __forceinline__ bool passes(const float* s, const float* m_run, float inv_scale,
+                                       float lazy_inv) {
   bool pass = false;
 #pragma unroll
   for (int c = 0; c < 12; ++c) {
     const int jn = c >> 1, e = c & 1;
-    pass |= fmaxf(s[4 * jn + e], s[4 * jn + 2 + e]) > m_run[c] + kLazyMax;  // (-inf: any finite)
+    const float thr = fmaf(m_run[c], inv_scale, lazy_inv);  // (-inf: any finite)
+    pass |= fmaxf(s[4 * jn + e], s[4 * jn + 2 + e]) > thr;
   }
   return pass;
 }
@@ -309,7 +310,7 @@ __device__ __forceinline__ bool passes(const float* s, const float* m_run) {
 // the warpgroup only votes on whether a score passed it; only then are the columns' maxima taken
 // (over the warp's 16 tokens by shuffles, over the 4 warps through `red`, [4][48]). Returns whether
 // the max moved.
-__device__ __forceinline__ bool block_max(const float* s, bool pass, const float* m_run,
+__device__ __forceinline__ bool block_max(const float* s, bool pass, const float* m_run, float scale,
                                           float* m_new, float* red, int wg, int w, int g, int q) {
 #pragma unroll
   for (int c = 0; c < 12; ++c) m_new[c] = m_run[c];
@@ -328,7 +329,7 @@ __device__ __forceinline__ bool block_max(const float* s, bool pass, const float
   for (int c = 0; c < 12; ++c) {
     const int col = col_of(c, q);
     const float mx = fmaxf(fmaxf(red[col], red[kN + col]), fmaxf(red[2 * kN + col], red[3 * kN + col]));
-    m_new[c] = lazy_max(m_run[c], mx);
+    m_new[c] = lazy_max(m_run[c], mx * scale);
   }
   named_bar(kBarLocal + wg, 128);  // red is read before its next write
   return true;
@@ -337,16 +338,16 @@ __device__ __forceinline__ bool block_max(const float* s, bool pass, const float
 // P = exp2(s - m) (m = -inf: 0), the thread's column sums into lsum, P^T -> its shared tile
 // (stmatrix .trans: the accumulator's 8x8 pieces, token rows g and columns 2q, 2q+1, land as rows
 // of the query-row-major tile, tokens 16w + 8hh.. = 16-byte piece 2w + hh, swizzled)
-__device__ __forceinline__ void store_pt(float* s, const float* m, float* lsum, uint32_t tile, int w,
-                                         int lane) {
+__device__ __forceinline__ void store_pt(float* s, const float* m, float scale, float* lsum,
+                                         uint32_t tile, int w, int lane) {
   uint32_t pk[12];
   wgmma_wait<0>();  // (nothing is in flight; without it ptxas serialises every wgmma: C7515)
 #pragma unroll
   for (int c = 0; c < 12; ++c) {
     const int jn = c >> 1, e = c & 1;
     const float mu = m[c] == -INFINITY ? 0.f : m[c];
-    s[4 * jn + e] = fast_exp2(s[4 * jn + e] - mu);
-    s[4 * jn + 2 + e] = fast_exp2(s[4 * jn + 2 + e] - mu);
+    s[4 * jn + e] = fast_exp2(fmaf(s[4 * jn + e], scale, -mu));
+    s[4 * jn + 2 + e] = fast_exp2(fmaf(s[4 * jn + 2 + e], scale, -mu));
     lsum[c] += s[4 * jn + e] + s[4 * jn + 2 + e];
   }
 #pragma unroll
@@ -482,7 +483,8 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     float* mrun = reinterpret_cast<float*>(smem + L::kM);
     float* cfac = reinterpret_cast<float*>(smem + L::kChain);
     volatile int* cflag = reinterpret_cast<volatile int*>(smem + L::kCFlag);
-    float s[24];
+    const float inv_scale = 1.f / p.scale_log2, lazy_inv = kLazyMax * inv_scale;
+    float s[24];  // the block's scores, unscaled: the scale rides on exp2's FFMA (and the max's 12)
     float lsum[12];
 #pragma unroll
     for (int c = 0; c < 12; ++c) lsum[c] = 0.f;
@@ -507,13 +509,14 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       for (int k = 0; k < 24; ++k) pin(s[k]);
       mbar_arrive(std0 + 8 * sl);
       const int pos0 = (blo + i) * kPage;
-      scale_mask(s, p.scale_log2, pos0 + kPage > all_vis, pos0, vis, w, g, q);
+      mask(s, pos0 + kPage > all_vis, pos0, vis, w, g, q);
       if (i > 0) chain_in(i - 1);
       float m_prev[12], m_new[12];
 #pragma unroll
       for (int c = 0; c < 12; ++c) m_prev[c] = mrun[col_of(c, q)];
       // (the vote in block_max: every thread's loads of the slot and of mrun are done)
-      const bool moved = block_max(s, passes(s, m_prev), m_prev, m_new, red, wg, w, g, q);
+      const bool moved = block_max(s, passes(s, m_prev, inv_scale, lazy_inv), m_prev, p.scale_log2, m_new, red,
+                                   wg, w, g, q);
       if (moved) {
 #pragma unroll
         for (int c = 0; c < 12; ++c) {
@@ -536,7 +539,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
         for (int c = 0; c < 12; ++c) fac[pt * kN + col_of(c, q)] = cfac[(i & 1) * kN + col_of(c, q)];
       }
       if (t == 0) flag[pt] = moved;
-      store_pt(s, m_new, lsum, sbase + L::kP + pt * kPTile, w, lane);
+      store_pt(s, m_new, p.scale_log2, lsum, sbase + L::kP + pt * kPTile, w, lane);
       if (i == tail_blk) {  // raw fp8 rows past the length, zeroed before O^T reads them
         zero_tail_rows(slot, n - (blo + i) * kPage, t);
       }

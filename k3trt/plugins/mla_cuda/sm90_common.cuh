@@ -277,9 +277,10 @@ __device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v) {
 
 // The dynamic shared memory, its base rounded up to 1024 bytes (the 128-byte swizzle's atom): the
 // kernels allocate 1 KB of slack for this.
+// (an offset from raw, not a rounded integer: a pointer rebuilt from an integer is generic, and
+// every access through it would be a generic LD / ST instead of LDS / STS)
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
-                                    ~static_cast<uintptr_t>(1023));
+  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
 }
 
 // Two bf16 (one u32) -> two fp16 scaled by 1/16: the fp8 path's Q, which the kernels keep in fp16
