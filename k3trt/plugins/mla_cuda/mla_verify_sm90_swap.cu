@@ -170,26 +170,31 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint64_t db, in
 // the 12 query rows (columns of S^T and O^T) of thread q: 8jn + 2q + e, index 2jn + e
 __device__ __forceinline__ int col_of(int c12, int q) { return 8 * (c12 >> 1) + 2 * q + (c12 & 1); }
 
-// The K (S^T A operand) fragment of `steps` k16 steps from the 16-byte pieces of the thread's two
-// token rows: step k's 4 registers from word k of each (kk_of_dim's column order).
-__device__ __forceinline__ void k_fragment(uint32_t* f, const uint4 (&x)[2], int steps) {
+// The K (S^T A operand) fragment of k16 steps first.. first + steps - 1 from the 16-byte pieces of
+// the thread's two token rows: step k's 4 registers from word k of each (kk_of_dim's column order).
+__device__ __forceinline__ void k_fragment(uint32_t* f, const uint4 (&x)[2], int first, int steps) {
 #pragma unroll
-  for (int k = 0; k < steps; ++k) {
+  for (int kk = 0; kk < steps; ++kk) {
+    const int k = first + kk;
     const uint32_t w0 = k == 0 ? x[0].x : k == 1 ? x[0].y : k == 2 ? x[0].z : x[0].w;
     const uint32_t w1 = k == 0 ? x[1].x : k == 1 ? x[1].y : k == 2 ? x[1].z : x[1].w;
-    f[4 * k + 0] = e4m3x2_to_h2<false>(w0);
-    f[4 * k + 1] = e4m3x2_to_h2<false>(w1);
-    f[4 * k + 2] = e4m3x2_to_h2<true>(w0);
-    f[4 * k + 3] = e4m3x2_to_h2<true>(w1);
+    f[4 * kk + 0] = e4m3x2_to_h2<false>(w0);
+    f[4 * kk + 1] = e4m3x2_to_h2<false>(w1);
+    f[4 * kk + 2] = e4m3x2_to_h2<true>(w0);
+    f[4 * kk + 3] = e4m3x2_to_h2<true>(w1);
   }
 }
 
 // S^T of one block into s (64 tokens x 48 rows, fp32): nine 16-byte pieces of each of the thread's
-// two token rows (g, g+8), four k16 steps each, converted into a ring of kDepth fragments while the
-// previous pieces' wgmmas run; the chunk's mbarrier is waited for at its first piece. (A ring of 4,
-// with the registers moved from the value warpgroups by setmaxnreg, was no faster: run 40.)
-constexpr int kDepth = 2;
-__device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[kDepth][16], uint32_t slot,
+// two token rows (g, g+8), four k16 steps each. The 36 steps go in commit groups of kStGroup, each
+// converted into its slot of a ring of 32 fragment registers once the group that last used the slot
+// has retired, so (32 / (4 kStGroup) - 1) groups run while one converts. The chunk's mbarrier is
+// waited for at its first piece. (A ring of 64 registers, moved from the value warpgroups by
+// setmaxnreg, was no faster: run 40; a third 16-register slot spills. Groups of 2 or 1 steps,
+// with 6 or 7 wgmmas in flight, were 2-5% slower from 8K: run 59.)
+constexpr int kStGroup = 4;
+constexpr int kStRing = 32 / (4 * kStGroup);  // slots of 4 kStGroup registers
+__device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[32], uint32_t slot,
                                          uint32_t qbase, uint32_t bars, uint32_t parity, int* err,
                                          int blk, int w, int g, int q) {
   const int r0 = 16 * w + g;
@@ -207,26 +212,32 @@ __device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[kDepth][16], u
                                 : slot + 4 * kRawChunk + r * 64 + q * 16;
       x[h] = ld_shared_v4(a);
     }
-    if (hc >= kDepth) wgmma_wait<kDepth - 1>();
-    uint32_t* f = fr[hc % kDepth];
-    k_fragment(f, x, 4);
-    wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      mma(s, f + 4 * k, qdesc + (hc * kQChunk + 32 * k) / 16,
-          hc == 0 && k == 0 ? 0 : 1);
-    wgmma_commit();
+    for (int gq = 0; gq < 4 / kStGroup; ++gq) {
+      const int grp = hc * (4 / kStGroup) + gq;
+      if (grp >= kStRing) wgmma_wait<kStRing - 1>();
+      uint32_t* f = fr + 4 * kStGroup * (grp % kStRing);
+      k_fragment(f, x, gq * kStGroup, kStGroup);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kStGroup; ++kk) {
+        const int k = gq * kStGroup + kk;
+        mma(s, f + 4 * kk, qdesc + (hc * kQChunk + 32 * k) / 16, hc == 0 && k == 0 ? 0 : 1);
+      }
+      wgmma_commit();
+    }
   }
 }
 
 // O^T[256h..] += V^T(block) · P^T: four k16 steps of 16 tokens, each four wgmmas (one per M tile)
-// from a fragment built from 8-byte loads of the thread's 8 value columns in 4 token rows.
+// from a fragment built from 8-byte loads of the thread's 8 value columns in 4 token rows. Each
+// wgmma is a commit group of its own, and an M tile's 4 registers are rebuilt once its previous
+// wgmma has retired, so three wgmmas run while one tile converts (a group of four a step, with the
+// 16 registers the whole ring, ran none: 2-4% slower from 8K, mla_ab_h200.json run 59).
 // free_prev (nonzero): the previous block's P-free mbarrier, arrived at once this thread's wgmmas
-// of that block have retired (after step 1's wait). Step k uses fragment (k + kFirst) % kRing.
-template <int kRing, int kFirst>
-__device__ __forceinline__ void ot_block(float* acc, uint32_t (&fr)[kRing][16], uint32_t slot,
-                                         uint32_t ptile, int h, int w, int g, int q,
-                                         uint32_t free_prev) {
+// of that block have retired.
+__device__ __forceinline__ void ot_block(float* acc, uint32_t (&f)[16], uint32_t slot, uint32_t ptile,
+                                         int h, int w, int g, int q, uint32_t free_prev) {
   const uint32_t chunk = slot + (2 * h + (w >> 1)) * kRawChunk;
   const int unit = 4 * (w & 1) + (g >> 1);
   const uint32_t off = 8 * (g & 1);
@@ -239,11 +250,10 @@ __device__ __forceinline__ void ot_block(float* acc, uint32_t (&fr)[kRing][16], 
       const int tok = 16 * k + 2 * q + (u & 1) + 8 * (u >> 1);
       x[u] = ld_shared_v2(chunk + tok * 128 + ((unit ^ (tok & 7)) << 4) + off);
     }
-    wgmma_wait<kRing - 1>();
-    if (k == 1 && free_prev != 0) mbar_arrive(free_prev);
-    uint32_t* f = fr[(k + kFirst) % kRing];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // M tile i: bytes 2i, 2i+1 of the 8 (value columns 2i + e)
+      wgmma_wait<3>();  // tile i's wgmma of step k - 1 (or of the previous block's step 3)
+      if (k == 0 && i == 3 && free_prev != 0) mbar_arrive(free_prev);
       const uint32_t sel = (i & 1) ? 0x7362 : 0x5140;  // [t.b, t'.b, t.b+1, t'.b+1]
       const uint32_t p01 = prmt(i < 2 ? x[0].x : x[0].y, i < 2 ? x[1].x : x[1].y, sel);
       const uint32_t p89 = prmt(i < 2 ? x[2].x : x[2].y, i < 2 ? x[3].x : x[3].y, sel);
@@ -251,11 +261,10 @@ __device__ __forceinline__ void ot_block(float* acc, uint32_t (&fr)[kRing][16], 
       f[4 * i + 1] = e4m3x2_to_h2<true>(p01);   // row g + 8 (e = 1)
       f[4 * i + 2] = e4m3x2_to_h2<false>(p89);  // row g, tokens 2q+8, 2q+9
       f[4 * i + 3] = e4m3x2_to_h2<true>(p89);
+      wgmma_fence();
+      mma(acc + 24 * i, f + 4 * i, pdesc + 2 * k, 1);
+      wgmma_commit();
     }
-    wgmma_fence();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mma(acc + 24 * i, f + 4 * i, pdesc + 2 * k, 1);
-    wgmma_commit();
   }
 }
 
@@ -502,7 +511,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       const uint32_t slot = sbase + L::kKV + sl * kRawBlock;
       int pg = 0;
       if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-      uint32_t fr[kDepth][16];
+      uint32_t fr[32];
       st_block(s, fr, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i, w, g, q);
       wgmma_wait<0>();
 #pragma unroll
@@ -596,7 +605,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
           for (int e = 0; e < 2; ++e) acc[24 * m + 4 * (c >> 1) + 2 * e + (c & 1)] *= f;
       }
     };
-    uint32_t fr[1][16];
+    uint32_t fr[16];
 #pragma unroll 1
     for (int i = 0; i < nblk; ++i) {
       const int sl = i & 3;
@@ -608,7 +617,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       // competing with S^T(i + 1) for the tensor cores (2-5% at 8K-32K, mla_ab_h200.json run 48)
       if (kOrder && i + 1 < nblk)
         mbar_wait(std0 + 8 * ((i + 1) & 3), ((i + 1) >> 2) & 1, p.err, 5, blo + i + 1, (i + 1) & 3);
-      ot_block<1, 0>(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
+      ot_block(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
                      g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
       named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done
       if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 2 * wg, 2, false);
