@@ -170,31 +170,28 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint64_t db, in
 // the 12 query rows (columns of S^T and O^T) of thread q: 8jn + 2q + e, index 2jn + e
 __device__ __forceinline__ int col_of(int c12, int q) { return 8 * (c12 >> 1) + 2 * q + (c12 & 1); }
 
-// The K (S^T A operand) fragment of k16 steps first.. first + steps - 1 from the 16-byte pieces of
-// the thread's two token rows: step k's 4 registers from word k of each (kk_of_dim's column order).
-__device__ __forceinline__ void k_fragment(uint32_t* f, const uint4 (&x)[2], int first, int steps) {
+// The K (S^T A operand) fragment of `steps` k16 steps from the 16-byte pieces of the thread's two
+// token rows: step k's 4 registers from word k of each (kk_of_dim's column order).
+__device__ __forceinline__ void k_fragment(uint32_t* f, const uint4 (&x)[2], int steps) {
 #pragma unroll
-  for (int kk = 0; kk < steps; ++kk) {
-    const int k = first + kk;
+  for (int k = 0; k < steps; ++k) {
     const uint32_t w0 = k == 0 ? x[0].x : k == 1 ? x[0].y : k == 2 ? x[0].z : x[0].w;
     const uint32_t w1 = k == 0 ? x[1].x : k == 1 ? x[1].y : k == 2 ? x[1].z : x[1].w;
-    f[4 * kk + 0] = e4m3x2_to_h2<false>(w0);
-    f[4 * kk + 1] = e4m3x2_to_h2<false>(w1);
-    f[4 * kk + 2] = e4m3x2_to_h2<true>(w0);
-    f[4 * kk + 3] = e4m3x2_to_h2<true>(w1);
+    f[4 * k + 0] = e4m3x2_to_h2<false>(w0);
+    f[4 * k + 1] = e4m3x2_to_h2<false>(w1);
+    f[4 * k + 2] = e4m3x2_to_h2<true>(w0);
+    f[4 * k + 3] = e4m3x2_to_h2<true>(w1);
   }
 }
 
 // S^T of one block into s (64 tokens x 48 rows, fp32): nine 16-byte pieces of each of the thread's
-// two token rows (g, g+8), four k16 steps each. The 36 steps go in commit groups of kStGroup, each
-// converted into its slot of a ring of 32 fragment registers once the group that last used the slot
-// has retired, so (32 / (4 kStGroup) - 1) groups run while one converts. The chunk's mbarrier is
-// waited for at its first piece. (A ring of 64 registers, moved from the value warpgroups by
-// setmaxnreg, was no faster: run 40; a third 16-register slot spills. Groups of 2 or 1 steps,
-// with 6 or 7 wgmmas in flight, were 2-5% slower from 8K: run 59.)
-constexpr int kStGroup = 4;
-constexpr int kStRing = 32 / (4 * kStGroup);  // slots of 4 kStGroup registers
-__device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[32], uint32_t slot,
+// two token rows (g, g+8), four k16 steps each, converted into a ring of kDepth fragments while the
+// previous pieces' wgmmas run; the chunk's mbarrier is waited for at its first piece. (A ring of 4,
+// with the registers moved from the value warpgroups by setmaxnreg, was no faster: run 40; a ring
+// of 3 spills. Commit groups of 2 or 1 steps in the same 32 registers, 6 or 7 wgmmas in flight
+// instead of 4, were 2-5% slower from 8K: run 59.)
+constexpr int kDepth = 2;
+__device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[kDepth][16], uint32_t slot,
                                          uint32_t qbase, uint32_t bars, uint32_t parity, int* err,
                                          int blk, int w, int g, int q) {
   const int r0 = 16 * w + g;
@@ -212,20 +209,15 @@ __device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[32], uint32_t 
                                 : slot + 4 * kRawChunk + r * 64 + q * 16;
       x[h] = ld_shared_v4(a);
     }
+    if (hc >= kDepth) wgmma_wait<kDepth - 1>();
+    uint32_t* f = fr[hc % kDepth];
+    k_fragment(f, x, 4);
+    wgmma_fence();
 #pragma unroll
-    for (int gq = 0; gq < 4 / kStGroup; ++gq) {
-      const int grp = hc * (4 / kStGroup) + gq;
-      if (grp >= kStRing) wgmma_wait<kStRing - 1>();
-      uint32_t* f = fr + 4 * kStGroup * (grp % kStRing);
-      k_fragment(f, x, gq * kStGroup, kStGroup);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kStGroup; ++kk) {
-        const int k = gq * kStGroup + kk;
-        mma(s, f + 4 * kk, qdesc + (hc * kQChunk + 32 * k) / 16, hc == 0 && k == 0 ? 0 : 1);
-      }
-      wgmma_commit();
-    }
+    for (int k = 0; k < 4; ++k)
+      mma(s, f + 4 * k, qdesc + (hc * kQChunk + 32 * k) / 16,
+          hc == 0 && k == 0 ? 0 : 1);
+    wgmma_commit();
   }
 }
 
@@ -236,8 +228,9 @@ __device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[32], uint32_t 
 // 16 registers the whole ring, ran none: 2-4% slower from 8K, mla_ab_h200.json run 59).
 // free_prev (nonzero): the previous block's P-free mbarrier, arrived at once this thread's wgmmas
 // of that block have retired.
-__device__ __forceinline__ void ot_block(float* acc, uint32_t (&f)[16], uint32_t slot, uint32_t ptile,
-                                         int h, int w, int g, int q, uint32_t free_prev) {
+__device__ __forceinline__ void ot_block(float* acc, uint32_t (&f)[16], uint32_t slot,
+                                         uint32_t ptile, int h, int w, int g, int q,
+                                         uint32_t free_prev) {
   const uint32_t chunk = slot + (2 * h + (w >> 1)) * kRawChunk;
   const int unit = 4 * (w & 1) + (g >> 1);
   const uint32_t off = 8 * (g & 1);
@@ -344,7 +337,7 @@ __device__ __forceinline__ bool block_max(const float* s, bool pass, const float
   return true;
 }
 
-// P = exp2(s - m) (m = -inf: 0), the thread's column sums into lsum, P^T -> its shared tile
+// P = exp2(s scale - m) (m = -inf: 0), the thread's column sums into lsum, P^T -> its shared tile
 // (stmatrix .trans: the accumulator's 8x8 pieces, token rows g and columns 2q, 2q+1, land as rows
 // of the query-row-major tile, tokens 16w + 8hh.. = 16-byte piece 2w + hh, swizzled)
 __device__ __forceinline__ void store_pt(float* s, const float* m, float scale, float* lsum,
@@ -511,7 +504,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       const uint32_t slot = sbase + L::kKV + sl * kRawBlock;
       int pg = 0;
       if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-      uint32_t fr[32];
+      uint32_t fr[kDepth][16];
       st_block(s, fr, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i, w, g, q);
       wgmma_wait<0>();
 #pragma unroll
@@ -524,8 +517,8 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
       for (int c = 0; c < 12; ++c) m_prev[c] = mrun[col_of(c, q)];
       // (the vote in block_max: every thread's loads of the slot and of mrun are done)
-      const bool moved = block_max(s, passes(s, m_prev, inv_scale, lazy_inv), m_prev, p.scale_log2, m_new, red,
-                                   wg, w, g, q);
+      const bool pass = passes(s, m_prev, inv_scale, lazy_inv);
+      const bool moved = block_max(s, pass, m_prev, p.scale_log2, m_new, red, wg, w, g, q);
       if (moved) {
 #pragma unroll
         for (int c = 0; c < 12; ++c) {
