@@ -26,11 +26,14 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--kv", default="bf16")
     ap.add_argument("--schedules", default="shared,pair")
+    ap.add_argument("--resident", type=int, default=0,
+                    help="draw every page from this many (as mla_ab.py --resident: the kernel's "
+                         "own pace, HBM out of the way)")
     args = ap.parse_args(argv)
     from mla_verify import D_QK, D_V, Q_ROWS, make_cache
 
     from k3trt.plugins import mla_cuda
-    inp = make_cache(args.batch, args.ctx, args.kv)
+    inp = make_cache(args.batch, args.ctx, args.kv, pages=args.resident or None)
     q = torch.randn(args.batch * Q_ROWS, args.heads, D_QK, device="cuda", dtype=torch.bfloat16)
     splits = mla_cuda.default_splits(args.batch, Q_ROWS, args.heads)
     for sched in args.schedules.split(","):

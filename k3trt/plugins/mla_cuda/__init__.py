@@ -76,7 +76,6 @@ CUDA_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo",
 _TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out", 2: "Q tile mbarrier wait timed out",
                   3: "swap kernel: P^T ready mbarrier wait timed out",
                   4: "swap kernel: P^T free mbarrier wait timed out",
-                  5: "swap kernel: S^T done mbarrier wait timed out",
                   6: "swap kernel: running-max ready mbarrier wait timed out"}
 # kernel schedules (mla_verify_sm90.h): "shared" = both warpgroups on each block (v4), "pair" = the
 # warpgroups on alternate blocks (mla_verify_sm90_pair.cu), "swap" = tokens as the MMA's M, an fp8

@@ -541,17 +541,17 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   // 576-wide rows in boxes of box_x elements x 64 rows: the KV cache's pages (bf16 with the 128-byte
   // swizzle, or raw fp8 bytes in 64-byte boxes), the pair kernel's Q tile (bf16, swizzled: the wgmma
   // A layout), and the swap kernel's raw fp8 rows (value chunks in 128-byte boxes with the 128-byte
-  // swizzle, the rope chunk in a 64-byte box without)
+  // swizzle, the rope chunk in a 64-byte box with the 64-byte swizzle: both are wgmma operands as
+  // they lie)
   auto encode_rows = [&](CUtensorMap* map, const void* base, long rows, bool bytes, int box_x,
-                         bool swizzle) {
+                         CUtensorMapSwizzle swizzle) {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(rows)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kD) * (bytes ? 1 : 2)};
     const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_x), 64};
     const cuuint32_t estr[2] = {1, 1};
     return encode(map, bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
                   const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                  swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   };
   const bool swap = a.schedule == 2;
   if (swap && (!a.kv_fp8 || a.q_per_req * a.heads > kSwapMaxRows)) {
@@ -563,11 +563,13 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   const long q_rows = static_cast<long>(a.batch) * a.q_per_req * a.heads;
   const long kv_rows = a.num_pages * kPage;
   // (swap: map = the value chunks, q_map = the rope chunk; it reads Q with plain loads)
-  CUresult r = swap ? encode_rows(&map, a.kv, kv_rows, true, 128, true)
-                    : encode_rows(&map, a.kv, kv_rows, a.kv_fp8, 64, !a.kv_fp8);
+  constexpr CUtensorMapSwizzle kSw128 = CU_TENSOR_MAP_SWIZZLE_128B;
+  CUresult r = swap ? encode_rows(&map, a.kv, kv_rows, true, 128, kSw128)
+                    : encode_rows(&map, a.kv, kv_rows, a.kv_fp8, 64,
+                                  a.kv_fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : kSw128);
   if (r == CUDA_SUCCESS)
-    r = swap ? encode_rows(&q_map, a.kv, kv_rows, true, 64, false)
-             : encode_rows(&q_map, a.q, q_rows, false, 64, true);
+    r = swap ? encode_rows(&q_map, a.kv, kv_rows, true, 64, CU_TENSOR_MAP_SWIZZLE_64B)
+             : encode_rows(&q_map, a.q, q_rows, false, 64, kSw128);
   if (r != CUDA_SUCCESS) {
     snprintf(msg, msg_len, "cuTensorMapEncodeTiled failed with CUresult %d", static_cast<int>(r));
     return 1;

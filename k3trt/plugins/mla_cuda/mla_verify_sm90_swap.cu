@@ -4,25 +4,27 @@
 // cache is expanded to fp16 there first: a shared-memory round trip on each warpgroup's path that
 // costs ~20% (mla_verify_notes.md v13). Here the tokens are the M dimension instead ("swap AB"):
 //
-//   S^T[64 tokens x 48 rows] = K[64 x 576] · Q^T          (A = K from registers, B = Q^T in smem)
-//   O^T[512 x 48] += V^T[512 x 64 tokens] · P^T[64 x 48]  (A = V^T from registers, B = P^T in smem)
+//   S^T[64 tokens x 96] = K[64 x 576] · [Q_hi; Q_lo]^T    (e4m3 x e4m3, A and B in smem)
+//   O^T[512 x 48] += V^T[512 x 64 tokens] · P^T[64 x 48]  (fp16: A = V^T from registers, B = P^T in smem)
 //
-// so the cache is always the A operand, which wgmma takes from registers: each thread loads the raw
-// fp8 bytes of its fragment and converts them in registers (cvt.f16x2.e4m3x2), and no row is padding.
-// The tensor work per token drops from 2·64·1088 to 2·48·1088 FLOP.
+// and no row is padding: the tensor work per token drops from 2·64·1088 to 2·48·1088 FLOP.
 //
-// Fragments from raw bytes, without shuffles:
-// - K (A of S^T, M = tokens, K = latent columns): the m64k16 fragment gives a thread the columns
-//   2q, 2q+1, 2q+8, 2q+9 of a k16 step (q = lane % 4). The MMA's column order is free as long as
-//   Q^T uses the same one, so step S's positions are mapped to 4 consecutive bytes of the cache row
-//   (kk_of_dim below): one 16-byte load of a token row feeds 4 steps.
-// - V^T (A of O^T, M = value columns, K = tokens): a thread needs tokens 2q, 2q+1, 2q+8, 2q+9 and
-//   value rows g, g+8 (g = lane / 4) of each of 4 64-row M tiles. The M order is free too (the
-//   epilogue maps it back): thread (warp w, g) of value warpgroup h owns the 8 consecutive value
-//   columns 256h + 64w + 8g .. +7, so one 8-byte load per token and a byte permute (prmt) per pair
-//   of tokens feed all 4 M tiles; M tile i row 16w + g + 8e is value column 256h + 64w + 8g + 2i + e.
-// The raw block in shared memory: four [64 tokens x 128 B] chunks (value columns, TMA with the
-// 128-byte swizzle, which makes both load patterns conflict-free) and the rope chunk [64 x 64 B].
+// S^T is an fp8 wgmma straight from the raw block as TMA lays it down (K-major, the value chunks with
+// the 128-byte swizzle, the rope chunk with the 64-byte one): no loads, conversions or registers for
+// its A operand. Q is split exactly into two e4m3 parts with a power-of-two scale (the prologue),
+// Q_hi as B's rows 0-47 and 16 Q_lo as rows 48-95, and the scores are S_hi + S_lo / 16. Twice the
+// MACs at twice the rate: the tensor time is bf16's, but the scores warpgroups only issue 18 wgmmas
+// a block. The fp16 form before it (36 m64n48k16 a block, the K fragment loaded and converted in
+// registers) was 7-12% slower L2-resident and 5-14% on the real cache (mla_ab_h200.json runs
+// 68-69, an H100, notes v23); the e4m3 form with its A loaded into registers was no faster than
+// that one (v17).
+//
+// V^T (A of O^T, M = value columns, K = tokens) from raw bytes, without shuffles: a thread needs
+// tokens 2q, 2q+1, 2q+8, 2q+9 and value rows g, g+8 (g = lane / 4, q = lane % 4) of each of 4 64-row
+// M tiles. The M order is free (the epilogue maps it back): thread (warp w, g) of value warpgroup h
+// owns the 8 consecutive value columns 256h + 64w + 8g .. +7, so one 8-byte load per token and a
+// byte permute (prmt) per pair of tokens feed all 4 M tiles; M tile i row 16w + g + 8e is value
+// column 256h + 64w + 8g + 2i + e. The 128-byte swizzle keeps these loads conflict-free.
 //
 // Warp specialisation (512 threads), as in FlashAttention-3:
 // - two scores warpgroups (2, 3) take alternate blocks ("ping-pong"): S^T, the lazy running max,
@@ -45,30 +47,28 @@
 // max-ready mbarrier of i % 2, published in shared memory with the factors), votes against it and
 // publishes its own; each warpgroup's row sums follow the other's moves through those factors.
 // Registers (setmaxnreg, the SM's 64K over 512 threads): value warpgroups 144 with one O^T fragment
-// in flight, scores warpgroups 112 (two fragments). The split 168 / 88 with two O^T fragments
-// spilled the scores warpgroups' loop and was slower than one scores warpgroup (v18).
+// in flight, scores warpgroups 112. (The split 168 / 88 with two O^T fragments spilled the scores
+// warpgroups' loop and was slower than one scores warpgroup, v18; with the e4m3 S^T, 160 / 96 and
+// two fragments was no faster, v23.)
 // Measured (mla_ab_h200.json run 50, an H100, fp8, 12 heads): 15% faster than one scores warpgroup
 // at batch 128 / 8K (234.7 against 270.2 us, 0.85 of the roofline), 22% at 128 / 32K, 19% at 256 / 8K,
 // 4-9% at batch 32 from 8K, equal at 128 / 1K and 9% slower at 32 / 1K (few blocks a CTA: the chain's
 // fill and the second warpgroup's start are not amortised).
 //
-// The value warpgroups start O^T(i) only once S^T(i + 1) has retired (the S^T-done mbarrier), so
-// that O^T runs beside the softmax rather than taking S^T's share of the tensor cores (kOrder).
-// Built, measured and dropped (v17): S^T's k-range split over the value warpgroups ("share", no
-// faster), and S^T in e4m3 x e4m3 against Q split exactly into two e4m3 parts (no faster: twice the
-// MACs at twice the rate, and the fp8 conversion it saved was not on the critical path). The first
-// version of this kernel had two warpgroups each doing everything for alternate blocks (the pair
-// schedule transposed), no faster than the pair kernel (mla_ab_h200.json runs 37-38).
+// Built, measured and dropped: S^T's k-range split over the value warpgroups ("share", v17, no
+// faster); O^T(i) held until S^T(i + 1) retired (0.7-4.7% faster with fp16 S^T, 2-5% slower with
+// the e4m3 one, v23). The first version of this kernel had two warpgroups each doing everything for
+// alternate blocks (the pair schedule transposed), no faster than the pair kernel (runs 37-38).
 //
 // Lazy rescaling: the running max moves only when a score passes it by more than kLazyMax, so the
 // scores warpgroup votes (bar.red) on whether any did, and takes the columns' maxima only then: a
 // vote per block instead of 36 shuffles and an exchange (at 8K-32K: 0.93-0.97 of the pair kernel's
 // time before, 0.84-0.89 after; mla_ab_h200.json runs 39-40).
 //
-// Shared memory (226.5 KB): Q^T (48 rows x 576, fp16 / 16 as in the pair kernel's fp8 path, in the
-// permuted column order, 128-byte swizzle), 4 raw blocks x 36 KB, 4 P^T tiles (48 x 64 fp16), the
-// maxima exchange of each scores warpgroup, 4 blocks' factors and flags, the final row sums, visible
-// lengths, the running max and the chain's factors, 34 mbarriers.
+// Shared memory (226.5 KB): [Q_hi; Q_lo] (96 rows x 576 e4m3: four 128-column chunks with the
+// 128-byte swizzle, the rope columns with the 64-byte one), 4 raw blocks x 36 KB, 4 P^T tiles
+// (48 x 64 fp16), the maxima exchange of each scores warpgroup, 4 blocks' factors and flags, the
+// final row sums, visible lengths, the running max and the chain's factors, 30 mbarriers.
 // Same split-K, masking, NaN-safety and output contract as mla_verify_sm90.cu.
 
 #include <cuda.h>
@@ -79,13 +79,14 @@ namespace k3mla {
 namespace swap {
 
 constexpr int kN = kSwapMaxRows;                      // folded rows = wgmma N
-constexpr int kQChunk = kN * 128;                     // 64 columns of Q^T (fp16, swizzled)
+constexpr int kQChunk = 2 * kN * 128;  // 128 latent columns of [Q_hi; Q_lo] (96 rows, e4m3, swizzled)
+constexpr int kQRope = 4 * kQChunk;     // the 64 rope columns: 96 rows x 64 B, 64-byte swizzle
 constexpr int kRawChunk = kChunkBytes;               // [64 tokens x 128 B] fp8
 constexpr int kRawBlock = 4 * kRawChunk + 64 * 64;    // + the rope chunk [64 x 64 B]
 constexpr int kPTile = kN * 128;                      // P^T [48 rows x 64 tokens] fp16
 struct Smem {
   static constexpr int kQ = 0;
-  static constexpr int kKV = kQ + kChunks * kQChunk;  // raw block i: slot i % 4, + slot kRawBlock
+  static constexpr int kKV = kQ + kQRope + 2 * kN * 64;  // raw block i: slot i % 4, + slot kRawBlock
   static constexpr int kP = kKV + 4 * kRawBlock;      // P^T of block i: tile i % 4
   static constexpr int kRed = kP + 4 * kPTile;        // float [2 scores WGs][4 warps][48]
   static constexpr int kFac = kRed + 2 * 4 * kN * 4;  // float [4][48]: block i's rescale factors
@@ -95,8 +96,8 @@ struct Smem {
   static constexpr int kM = kVis + kN * 4;            // float [48]: the running max
   static constexpr int kChain = kM + kN * 4;          // float [2][48]: block i's factors, by i % 2
   static constexpr int kCFlag = kChain + 2 * kN * 4;  // int [2]: whether block i moved the max
-  static constexpr int kBar = kCFlag + 16;  // 4 slots x 5 chunks, P ready, P free, S^T done, max ready
-  static constexpr int kBars = 20 + 4 + 4 + 4 + 2;
+  static constexpr int kBar = kCFlag + 16;  // 4 slots x 5 chunks, P ready, P free, max ready
+  static constexpr int kBars = 20 + 4 + 4 + 2;
   static constexpr int kAlloc = kBar + kBars * 8 + 1024;
   static_assert(kKV % 1024 == 0 && kRawBlock % 1024 == 0 && kP % 1024 == 0,
                 "TMA's 128-byte swizzle and wgmma's need 1024-byte aligned tiles");
@@ -112,8 +113,6 @@ constexpr int kBarLocal = 1, kBarVote = 5, kBarValues = 9, kBarScores = 10;
 // The value warpgroups hold O^T (96) and one V^T fragment (16); the scores warpgroups two K fragments.
 constexpr int kRegsValue = 144, kRegsScores = 112;
 static_assert(2 * kRegsValue + 2 * kRegsScores <= 4 * 128, "over the CTA's register pool");
-// O^T(i) waits for S^T(i + 1) to retire
-constexpr bool kOrder = true;
 template <int N>
 __device__ __forceinline__ void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
@@ -127,29 +126,28 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// The MMA's position of latent column d (even; d+1 goes to the next position): a thread q reads the
-// 16 bytes 16q'.. of a row (value chunk c, half v: bytes 128c + 32q + 16v; rope: 512 + 16q), whose
-// 4-byte word s' holds the step's positions 2q, 2q+1 (bytes 0, 1) and 2q+8, 2q+9 (bytes 2, 3).
-__device__ __forceinline__ int kk_of_dim(int d) {
-  int step, q;
-  if (d < kDV) {
-    const int r = d & 127;
-    q = r >> 5;
-    step = 8 * (d >> 7) + 4 * ((r >> 4) & 1) + ((r >> 2) & 3);
-  } else {
-    const int r = d - kDV;
-    q = r >> 4;
-    step = 32 + ((r >> 2) & 3);
-  }
-  return 16 * step + 2 * q + 8 * ((d >> 1) & 1);
-}
-
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
 
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, uint32_t x, uint32_t y) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(x), "r"(y) : "memory");
+}
+// 4 floats -> 4 e4m3 (round to nearest, saturating), a first in the lowest byte
+__device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+__device__ __forceinline__ void e4m3x4_to_f32x4(uint32_t v, float* y) {
+  const uint32_t l = e4m3x2_to_h2<false>(v), h = e4m3x2_to_h2<true>(v);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&l));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  y[0] = a.x, y[1] = a.y, y[2] = b.x, y[3] = b.y;
+}
 __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
@@ -170,53 +168,29 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint64_t db, in
 // the 12 query rows (columns of S^T and O^T) of thread q: 8jn + 2q + e, index 2jn + e
 __device__ __forceinline__ int col_of(int c12, int q) { return 8 * (c12 >> 1) + 2 * q + (c12 & 1); }
 
-// The K (S^T A operand) fragment of `steps` k16 steps from the 16-byte pieces of the thread's two
-// token rows: step k's 4 registers from word k of each (kk_of_dim's column order).
-__device__ __forceinline__ void k_fragment(uint32_t* f, const uint4 (&x)[2], int steps) {
+// high words of wgmma descriptors (stride byte offset / 16, swizzle mode): 8-row atoms of 128-byte
+// rows with the 128-byte swizzle, of 64-byte rows with the 64-byte one (sw128_desc, sw64_desc)
+constexpr uint32_t kSw128Hi = (1024 >> 4) | (1u << 30), kSw64Hi = (512 >> 4) | (2u << 30);
+// S^T of one block into d (64 tokens x 96 columns: the 48 rows' Q_hi, then their Q_lo): 18 e4m3
+// wgmmas with the raw block's bytes as A and [Q_hi; Q_lo] as B, both straight from shared memory,
+// each chunk's once its mbarrier has completed; one commit group.
+__device__ __forceinline__ void st_block(float* d, uint32_t slot, uint32_t qbase, uint32_t bars,
+                                         uint32_t parity, int* err, int blk) {
+  // descriptors as one 32-bit add a wgmma: the low words (start address / 16, LBO 16 B) of the
+  // block's and Q's first chunks, plus each piece's offset / 16; the high words are constants
+  const uint32_t alo = (slot >> 4) | (1u << 16);
+  const uint32_t blo = (qbase >> 4) | (1u << 16);
 #pragma unroll
-  for (int k = 0; k < steps; ++k) {
-    const uint32_t w0 = k == 0 ? x[0].x : k == 1 ? x[0].y : k == 2 ? x[0].z : x[0].w;
-    const uint32_t w1 = k == 0 ? x[1].x : k == 1 ? x[1].y : k == 2 ? x[1].z : x[1].w;
-    f[4 * k + 0] = e4m3x2_to_h2<false>(w0);
-    f[4 * k + 1] = e4m3x2_to_h2<false>(w1);
-    f[4 * k + 2] = e4m3x2_to_h2<true>(w0);
-    f[4 * k + 3] = e4m3x2_to_h2<true>(w1);
-  }
-}
-
-// S^T of one block into s (64 tokens x 48 rows, fp32): nine 16-byte pieces of each of the thread's
-// two token rows (g, g+8), four k16 steps each, converted into a ring of kDepth fragments while the
-// previous pieces' wgmmas run; the chunk's mbarrier is waited for at its first piece. (A ring of 4,
-// with the registers moved from the value warpgroups by setmaxnreg, was no faster: run 40; a ring
-// of 3 spills. Commit groups of 2 or 1 steps in the same 32 registers, 6 or 7 wgmmas in flight
-// instead of 4, were 2-5% slower from 8K: run 59.)
-constexpr int kDepth = 2;
-__device__ __forceinline__ void st_block(float* s, uint32_t (&fr)[kDepth][16], uint32_t slot,
-                                         uint32_t qbase, uint32_t bars, uint32_t parity, int* err,
-                                         int blk, int w, int g, int q) {
-  const int r0 = 16 * w + g;
-  const uint64_t qdesc = sw128_desc(qbase, 16, 1024);
-  wgmma_wait<0>();  // the fragment ring's last users (the previous block's) are done
+  for (int c = 0; c < 5; ++c) {
+    mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
+    wgmma_fence();  // (at each chunk: a wgmma after the wait's branch, without one, is serialised)
 #pragma unroll
-  for (int hc = 0; hc < 9; ++hc) {
-    if ((hc & 1) == 0) mbar_wait(bars + 8 * (hc >> 1), parity, err, 1, blk, hc >> 1);
-    uint4 x[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      const uint32_t a = hc < 8 ? slot + (hc >> 1) * kRawChunk + r * 128 +
-                                      (((2 * q + (hc & 1)) ^ (r & 7)) << 4)
-                                : slot + 4 * kRawChunk + r * 64 + q * 16;
-      x[h] = ld_shared_v4(a);
+    for (int j = 0; j < (c < 4 ? 4 : 2); ++j) {
+      const uint64_t hi = c < 4 ? kSw128Hi : kSw64Hi;
+      const uint64_t da = hi << 32 | (alo + (c * kRawChunk + 32 * j) / 16);
+      const uint64_t db = hi << 32 | (blo + (c * kQChunk + 32 * j) / 16);
+      wgmma_m64n96k32_e4m3_ss(d, da, db, c + j > 0);
     }
-    if (hc >= kDepth) wgmma_wait<kDepth - 1>();
-    uint32_t* f = fr[hc % kDepth];
-    k_fragment(f, x, 4);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      mma(s, f + 4 * k, qdesc + (hc * kQChunk + 32 * k) / 16,
-          hc == 0 && k == 0 ? 0 : 1);
     wgmma_commit();
   }
 }
@@ -401,15 +375,29 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
                   : make_uint4(0, 0, 0, 0);
     }
   }
+  {  // the request's largest |q|, per warp into the (not yet used) exchange
+    float mx = 0.f;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const uint32_t words[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[u]));
+        mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
+    if (lane == 0) reinterpret_cast<float*>(smem + L::kRed)[tid >> 5] = mx;
+  }
   const uint32_t bar0 = sbase + L::kBar;  // slot sl, chunk c: bar0 + 8 (5 sl + c)
   const uint32_t rdy0 = bar0 + 8 * 20;     // P^T of a tile written (128 arrivals: the scores WG)
   const uint32_t fre0 = rdy0 + 8 * 4;      // P^T of a tile read (256 arrivals: the value WGs)
-  const uint32_t std0 = fre0 + 8 * 4;      // S^T of a slot's block retired (128: its scores WG)
-  const uint32_t mrd0 = std0 + 8 * 4;      // block i % 2's max and factors published (128)
+  const uint32_t mrd0 = fre0 + 8 * 4;      // block i % 2's max and factors published (128)
   if (tid == 0) {
     for (int i = 0; i < 20; ++i) mbar_init(bar0 + 8 * i, 1);
     for (int i = 0; i < 4; ++i)
-      mbar_init(rdy0 + 8 * i, 128), mbar_init(fre0 + 8 * i, 256), mbar_init(std0 + 8 * i, 128);
+      mbar_init(rdy0 + 8 * i, 128), mbar_init(fre0 + 8 * i, 256);
     for (int i = 0; i < 2; ++i) mbar_init(mrd0 + 8 * i, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
@@ -421,7 +409,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   }
   const int nblk = sr.nblk, blo = sr.blo, n = sr.n;
   const int* bt = p.block_table + static_cast<long>(b) * p.bt_stride + blo;
-  __syncthreads();  // the mbarriers are initialised
+  __syncthreads();  // the mbarriers are initialised, the warps' maxima of |q| written
 
   // TMA of block blk (slot blk % 4): value chunks c_lo .. c_lo + cnt - 1, and the rope chunk if `rope`
   auto issue = [&](int blk, int page, int c_lo, int cnt, bool rope) {
@@ -443,19 +431,46 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     for (int i = 0; i < 4 && i < nblk; ++i) issue(i, pages[i], 0, 4, true);
   }
 
-  // Q^T: 48 rows x 72 pieces of 8 columns, fp16 / 16, each column pair at its MMA position
+  // Q as e4m3 for S^T: the power of two qs takes the request's largest |q| to [128, 256), and each
+  // element splits into hi = e4m3(q qs) and lo = e4m3(16 (q qs - hi)), bf16's 8 significant bits
+  // as two halves of 4 (exact but for elements below ~2^-14 of the max, where lo leaves e4m3's
+  // range). Rows 0-47 of the B tile hold Q_hi, rows 48-95 Q_lo; 4 chunks of 128 columns with the
+  // 128-byte swizzle and the 64 rope columns with the 64-byte one, as the cache's block.
+  float qs;
   {
+    float mx = 0.f;
+    const float* wmax = reinterpret_cast<const float*>(smem + L::kRed);
+#pragma unroll
+    for (int k = 0; k < kThreadsSwap / 32; ++k) mx = fmaxf(mx, wmax[k]);
+    const int ef = __float_as_int(mx) >> 23;  // mx in [2^(ef-127), 2^(ef-126))
+    qs = __int_as_float(min(max(261 - ef, 1), 254) << 23);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int i = tid + kThreadsSwap * k, r = i / (kD / 8), pc = i % (kD / 8);
       if (i >= kPieces) break;
       const uint32_t words[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
+      uint32_t hi[2], lo[2];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int kk = kk_of_dim(8 * pc + 2 * u);
-        st_shared(sbase + L::kQ + (kk >> 6) * kQChunk + sw128_off(r, (kk & 63) >> 3) + (kk & 7) * 2,
-                  bf16x2_to_f16x2_div16(words[u]));
+      for (int u = 0; u < 2; ++u) {
+        const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[2 * u]));
+        const float2 f1 =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[2 * u + 1]));
+        const float x[4] = {f0.x * qs, f0.y * qs, f1.x * qs, f1.y * qs};
+        const uint32_t h = f32x4_to_e4m3x4(x[0], x[1], x[2], x[3]);
+        float y[4];
+        e4m3x4_to_f32x4(h, y);
+        hi[u] = h;
+        lo[u] = f32x4_to_e4m3x4(16.f * (x[0] - y[0]), 16.f * (x[1] - y[1]), 16.f * (x[2] - y[2]),
+                                16.f * (x[3] - y[3]));
       }
+      const int b = 8 * pc;  // the piece's first latent column
+      const uint32_t a = b < kDV ? sbase + L::kQ + (b >> 7) * kQChunk + sw128_off(r, (b & 127) >> 4) +
+                                       (b & 8)
+                                 : sbase + L::kQ + kQRope + r * 64 +
+                                       ((((b - kDV) >> 4) ^ ((r >> 1) & 3)) << 4) + (b & 8);
+      const uint32_t lo_off = b < kDV ? kN * 128 : kN * 64;  // row r + 48 (same swizzle phase)
+      st_shared_v2(a, hi[0], hi[1]);
+      st_shared_v2(a + lo_off, lo[0], lo[1]);
     }
     if (tid < kN) {  // row m = j*H + h sees n - (Q-1-j) tokens; padding rows none
       reinterpret_cast<int*>(smem + L::kVis)[tid] =
@@ -485,8 +500,12 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     float* mrun = reinterpret_cast<float*>(smem + L::kM);
     float* cfac = reinterpret_cast<float*>(smem + L::kChain);
     volatile int* cflag = reinterpret_cast<volatile int*>(smem + L::kCFlag);
-    const float inv_scale = 1.f / p.scale_log2, lazy_inv = kLazyMax * inv_scale;
-    float s[24];  // the block's scores, unscaled: the scale rides on exp2's FFMA (and the max's 12)
+    // (p.scale_log2 carries 16 for the fp16 Q of the other fp8 paths; here Q is times qs)
+    const float scale = p.scale_log2 * 0.0625f / qs;
+    const float inv_scale = 1.f / scale, lazy_inv = kLazyMax * inv_scale;
+    // the block's S^T (hi and lo columns), then in s[0..23] its scores, unscaled: the scale rides
+    // on exp2's FFMA (and the max's 12)
+    float s[48];
     float lsum[12];
 #pragma unroll
     for (int c = 0; c < 12; ++c) lsum[c] = 0.f;
@@ -504,12 +523,12 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       const uint32_t slot = sbase + L::kKV + sl * kRawBlock;
       int pg = 0;
       if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-      uint32_t fr[kDepth][16];
-      st_block(s, fr, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i, w, g, q);
+      st_block(s, slot, sbase + L::kQ, bar0 + 8 * 5 * sl, (i >> 2) & 1, p.err, blo + i);
       wgmma_wait<0>();
 #pragma unroll
-      for (int k = 0; k < 24; ++k) pin(s[k]);
-      mbar_arrive(std0 + 8 * sl);
+      for (int k = 0; k < 48; ++k) pin(s[k]);
+#pragma unroll
+      for (int k = 0; k < 24; ++k) s[k] = fmaf(s[24 + k], 0.0625f, s[k]);
       const int pos0 = (blo + i) * kPage;
       mask(s, pos0 + kPage > all_vis, pos0, vis, w, g, q);
       if (i > 0) chain_in(i - 1);
@@ -518,7 +537,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       for (int c = 0; c < 12; ++c) m_prev[c] = mrun[col_of(c, q)];
       // (the vote in block_max: every thread's loads of the slot and of mrun are done)
       const bool pass = passes(s, m_prev, inv_scale, lazy_inv);
-      const bool moved = block_max(s, pass, m_prev, p.scale_log2, m_new, red, wg, w, g, q);
+      const bool moved = block_max(s, pass, m_prev, scale, m_new, red, wg, w, g, q);
       if (moved) {
 #pragma unroll
         for (int c = 0; c < 12; ++c) {
@@ -541,7 +560,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
         for (int c = 0; c < 12; ++c) fac[pt * kN + col_of(c, q)] = cfac[(i & 1) * kN + col_of(c, q)];
       }
       if (t == 0) flag[pt] = moved;
-      store_pt(s, m_new, p.scale_log2, lsum, sbase + L::kP + pt * kPTile, w, lane);
+      store_pt(s, m_new, scale, lsum, sbase + L::kP + pt * kPTile, w, lane);
       if (i == tail_blk) {  // raw fp8 rows past the length, zeroed before O^T reads them
         zero_tail_rows(slot, n - (blo + i) * kPage, t);
       }
@@ -606,10 +625,6 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
       mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, 3, blo + i, sl);
       if (flag[sl]) rescale(sl);
-      // O^T(i) once S^T(i + 1) has retired: beside the scores warpgroup's softmax(i + 1), not
-      // competing with S^T(i + 1) for the tensor cores (2-5% at 8K-32K, mla_ab_h200.json run 48)
-      if (kOrder && i + 1 < nblk)
-        mbar_wait(std0 + 8 * ((i + 1) & 3), ((i + 1) >> 2) & 1, p.err, 5, blo + i + 1, (i + 1) & 3);
       ot_block(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
                      g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
       named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done

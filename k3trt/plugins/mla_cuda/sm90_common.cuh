@@ -212,6 +212,13 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uin
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// the same with the 64-byte swizzle (8-row atoms of 64-byte rows: 512 bytes)
+__device__ __forceinline__ uint64_t sw64_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (2ull << 62);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -520,7 +527,7 @@ cudaError_t launch_pair(const CUtensorMap& kv_map, const CUtensorMap& q_map, con
                         dim3 grid, bool fp8, cudaStream_t stream);
 // launches the swap-AB kernel (mla_verify_sm90_swap.cu: fp8 cache, rows_per_req <= 48); kv128 /
 // kv64: the raw cache as [pages*64, 576] bytes in 128-byte boxes with the 128-byte swizzle / 64-byte
-// boxes without
+// boxes with the 64-byte swizzle (the rope chunk, read by wgmma as it lies)
 cudaError_t launch_swap(const CUtensorMap& kv128, const CUtensorMap& kv64, const Params& p,
                         dim3 grid, cudaStream_t stream);
 
