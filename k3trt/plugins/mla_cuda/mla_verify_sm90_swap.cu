@@ -110,7 +110,8 @@ constexpr int kThreadsSwap = 512;  // value warpgroups 0, 1 (O^T), scores warpgr
 constexpr int kBarLocal = 1, kBarVote = 5, kBarValues = 9, kBarScores = 10;
 
 // Registers by warpgroup (setmaxnreg): 2 x 128 x (kRegsValue + kRegsScores) <= the 64K of the SM.
-// The value warpgroups hold O^T (96) and one V^T fragment (16); the scores warpgroups two K fragments.
+// The value warpgroups hold O^T (96) and one V^T fragment (16); the scores warpgroups S^T's 48
+// accumulators and the softmax (they fit 104, notes v23).
 constexpr int kRegsValue = 144, kRegsScores = 112;
 static_assert(2 * kRegsValue + 2 * kRegsScores <= 4 * 128, "over the CTA's register pool");
 template <int N>
@@ -361,7 +362,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 
   const int b = blockIdx.z;
   const long row_base = static_cast<long>(b) * p.rows_per_req;
-  // Q^T's global loads first: their latency overlaps the length read, the split range and the
+  // Q's global loads first: their latency overlaps the length read, the split range and the
   // first TMA issues (a CTA left without blocks drops them)
   constexpr int kPieces = kN * (kD / 8), kPer = (kPieces + kThreadsSwap - 1) / kThreadsSwap;
   uint4 qv[kPer];
