@@ -133,9 +133,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
-__device__ __forceinline__ void st_shared_v2(uint32_t addr, uint32_t x, uint32_t y) {
-  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(x), "r"(y) : "memory");
-}
 // 4 floats -> 4 e4m3 (round to nearest, saturating), a first in the lowest byte
 __device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float a, float b, float c, float d) {
   uint16_t lo, hi;
@@ -169,27 +166,24 @@ __device__ __forceinline__ void mma(float* d, const uint32_t* a, uint64_t db, in
 // the 12 query rows (columns of S^T and O^T) of thread q: 8jn + 2q + e, index 2jn + e
 __device__ __forceinline__ int col_of(int c12, int q) { return 8 * (c12 >> 1) + 2 * q + (c12 & 1); }
 
-// high words of wgmma descriptors (stride byte offset / 16, swizzle mode): 8-row atoms of 128-byte
-// rows with the 128-byte swizzle, of 64-byte rows with the 64-byte one (sw128_desc, sw64_desc)
-constexpr uint32_t kSw128Hi = (1024 >> 4) | (1u << 30), kSw64Hi = (512 >> 4) | (2u << 30);
 // S^T of one block into d (64 tokens x 96 columns: the 48 rows' Q_hi, then their Q_lo): 18 e4m3
 // wgmmas with the raw block's bytes as A and [Q_hi; Q_lo] as B, both straight from shared memory,
 // each chunk's once its mbarrier has completed; one commit group.
 __device__ __forceinline__ void st_block(float* d, uint32_t slot, uint32_t qbase, uint32_t bars,
                                          uint32_t parity, int* err, int blk) {
-  // descriptors as one 32-bit add a wgmma: the low words (start address / 16, LBO 16 B) of the
-  // block's and Q's first chunks, plus each piece's offset / 16; the high words are constants
-  const uint32_t alo = (slot >> 4) | (1u << 16);
-  const uint32_t blo = (qbase >> 4) | (1u << 16);
+  // descriptors as one 32-bit add a wgmma: the low words of the block's and Q's first chunks plus
+  // each piece's offset / 16; the high words are constants (8-row atoms of 128-byte rows with the
+  // 128-byte swizzle, of 64-byte rows with the 64-byte one)
+  const uint32_t alo = desc_lo(slot, 16), blo = desc_lo(qbase, 16);
 #pragma unroll
   for (int c = 0; c < 5; ++c) {
     mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
     wgmma_fence();  // (at each chunk: a wgmma after the wait's branch, without one, is serialised)
 #pragma unroll
     for (int j = 0; j < (c < 4 ? 4 : 2); ++j) {
-      const uint64_t hi = c < 4 ? kSw128Hi : kSw64Hi;
-      const uint64_t da = hi << 32 | (alo + (c * kRawChunk + 32 * j) / 16);
-      const uint64_t db = hi << 32 | (blo + (c * kQChunk + 32 * j) / 16);
+      const uint32_t hi = c < 4 ? desc_hi(1024, kDescSw128) : desc_hi(512, kDescSw64);
+      const uint64_t da = make_desc(alo + (c * kRawChunk + 32 * j) / 16, hi);
+      const uint64_t db = make_desc(blo + (c * kQChunk + 32 * j) / 16, hi);
       wgmma_m64n96k32_e4m3_ss(d, da, db, c + j > 0);
     }
     wgmma_commit();
@@ -470,8 +464,8 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
                                  : sbase + L::kQ + kQRope + r * 64 +
                                        ((((b - kDV) >> 4) ^ ((r >> 1) & 3)) << 4) + (b & 8);
       const uint32_t lo_off = b < kDV ? kN * 128 : kN * 64;  // row r + 48 (same swizzle phase)
-      st_shared_v2(a, hi[0], hi[1]);
-      st_shared_v2(a + lo_off, lo[0], lo[1]);
+      st_shared(a, make_uint2(hi[0], hi[1]));
+      st_shared(a + lo_off, make_uint2(lo[0], lo[1]));
     }
     if (tid < kN) {  // row m = j*H + h sees n - (Q-1-j) tokens; padding rows none
       reinterpret_cast<int*>(smem + L::kVis)[tid] =

@@ -178,6 +178,9 @@ __device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared(uint32_t addr, uint2 v) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
+}
 __device__ __forceinline__ void st_shared(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
@@ -205,18 +208,22 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   return v;
 }
 
-// wgmma shared-memory descriptor, 128-byte swizzle (start, leading and stride byte offsets)
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+// wgmma shared-memory descriptor as two 32-bit words: the low one holds the start address and the
+// leading byte offset (each / 16), the high one the stride byte offset / 16 and the swizzle mode.
+// A kernel stepping through a tile adds offset / 16 to the low word (one add a wgmma).
+constexpr uint32_t kDescSw128 = 1, kDescSw64 = 2;
+__host__ __device__ constexpr uint32_t desc_hi(uint32_t sbo, uint32_t swizzle) {
+  return ((sbo & 0x3FFFF) >> 4) | (swizzle << 30);
 }
-
-// the same with the 64-byte swizzle (8-row atoms of 64-byte rows: 512 bytes)
-__device__ __forceinline__ uint64_t sw64_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (2ull << 62);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t saddr, uint32_t lbo) {
+  return ((saddr & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t hi) {
+  return static_cast<uint64_t>(hi) << 32 | lo;
+}
+// the 128-byte swizzle's (start, leading and stride byte offsets)
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return make_desc(desc_lo(saddr, lbo), desc_hi(sbo, kDescSw128));
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
