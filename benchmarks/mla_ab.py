@@ -27,7 +27,7 @@ import torch
 from ceilings import measure
 from record import command
 from mla_cuda_check import compare, interleaved_graph_us
-from mla_verify import make_cache, parse_cells
+from mla_verify import check_resident, make_cache, parse_cells
 
 Q_ROWS, D_QK, D_V = 4, 576, 512
 
@@ -48,8 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cells = parse_cells(args.cells, "--cells")  # (before the builds: a typo fails at once)
-    if args.resident < 0:
-        raise SystemExit(f"--resident: {args.resident} pages (need 0 for the real cache, or > 0)")
+    check_resident(args.resident)
     from k3trt.plugins import mla_cuda
     from k3trt.plugins.mla_verify import mla_verify_ref
     exts = {}  # label -> (build, launch options)

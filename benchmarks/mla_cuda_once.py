@@ -30,7 +30,8 @@ def main(argv=None):
                     help="draw every page from this many (as mla_ab.py --resident: the kernel's "
                          "own pace, HBM out of the way)")
     args = ap.parse_args(argv)
-    from mla_verify import D_QK, D_V, Q_ROWS, make_cache
+    from mla_verify import D_QK, D_V, Q_ROWS, check_resident, make_cache
+    check_resident(args.resident)
 
     from k3trt.plugins import mla_cuda
     inp = make_cache(args.batch, args.ctx, args.kv, pages=args.resident or None)

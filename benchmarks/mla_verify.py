@@ -53,6 +53,12 @@ def flashmla_us(heads: int, batch: int, ctx: int, device: str) -> float | None:
     return FLASHMLA_US.get((heads, batch, ctx)) if "H200" in device else None
 
 
+def check_resident(pages: int) -> None:
+    """--resident N (mla_ab.py, mla_cuda_once.py): 0 for the real cache, else a page count."""
+    if pages < 0:
+        raise SystemExit(f"--resident: {pages} pages (need 0 for the real cache, or > 0)")
+
+
 def parse_cells(text: str, flag: str, sep: str = ",") -> list[tuple[int, int, int]]:
     """heads:batch:ctx cells separated by sep; a malformed one is named with its flag."""
     cells = []

@@ -21,27 +21,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k3trt", "plugins", "mla_cuda"))
-from gen_wgmma import fp8_ss, wrapper  # noqa: E402
-
 from ceilings import measure  # noqa: E402
 from record import command  # noqa: E402
 
+# (the kernels' own helpers: descriptors, the fp8 conversion, the wgmma wrappers and fences)
+MLA_CUDA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "k3trt", "plugins",
+                        "mla_cuda")
 SOURCE = r"""
 #include <torch/extension.h>
-#include <cstdint>
-__device__ __forceinline__ uint64_t desc(uint32_t saddr, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-template <bool kHigh>
-__device__ __forceinline__ uint32_t cvt(uint32_t v) {
-  uint32_t d;
-  if (kHigh) asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(d) : "r"(v));
-  else asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(d) : "r"(v));
-  return d;
-}
-WRAPPERS
+#include "sm90_common.cuh"
+using namespace k3mla;
 __global__ void __launch_bounds__(512, 1) k_mix(int64_t* clocks, float* sink, int value_blocks,
                                                 int scores_blocks) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -63,7 +52,7 @@ __global__ void __launch_bounds__(512, 1) k_mix(int64_t* clocks, float* sink, in
     for (int i = 0; i < 96; ++i) asm volatile("" : "+f"(acc[i]));
     uint32_t f[16];
     const uint32_t src = base + 65536 + t * 8;  // 8 bytes a thread a token row
-    const uint64_t pdesc = desc(base + 16384 * wg, 1024);
+    const uint64_t pdesc = sw128_desc(base + 16384 * wg, 16, 1024);
     t0 = clock64();
     for (int blk = 0; blk < value_blocks; ++blk) {
 #pragma unroll
@@ -75,18 +64,18 @@ __global__ void __launch_bounds__(512, 1) k_mix(int64_t* clocks, float* sink, in
                        : "r"(src + ((blk * 4 + k + u) & 7) * 1024) : "memory");
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          asm volatile("wgmma.wait_group.sync.aligned 3;" ::: "memory");
+          wgmma_wait<3>();
           const uint32_t a = i < 2 ? x[0].x ^ x[1].x : x[0].y ^ x[1].y;
           const uint32_t b = i < 2 ? x[2].x ^ x[3].x : x[2].y ^ x[3].y;
-          f[4 * i] = cvt<false>(a); f[4 * i + 1] = cvt<true>(a);
-          f[4 * i + 2] = cvt<false>(b); f[4 * i + 3] = cvt<true>(b);
-          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+          f[4 * i] = e4m3x2_to_h2<false>(a); f[4 * i + 1] = e4m3x2_to_h2<true>(a);
+          f[4 * i + 2] = e4m3x2_to_h2<false>(b); f[4 * i + 3] = e4m3x2_to_h2<true>(b);
+          wgmma_fence();
           wgmma_m64n48k16_f16_rs_nn(acc + 24 * i, f + 4 * i, pdesc + 2 * k, 1);
-          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+          wgmma_commit();
         }
       }
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    wgmma_wait<0>();
     t1 = clock64();
 #pragma unroll
     for (int i = 0; i < 96; ++i) out += acc[i];
@@ -102,13 +91,14 @@ __global__ void __launch_bounds__(512, 1) k_mix(int64_t* clocks, float* sink, in
       asm volatile("" : "+r"(ab));
 #pragma unroll
       for (int c = 0; c < 5; ++c) {
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        wgmma_fence();
 #pragma unroll
         for (int j = 0; j < (c < 4 ? 4 : 2); ++j)
-          wgmma_m64n96k32_e4m3_ss(d, desc(ab + 32 * j, 1024), desc(b0 + 32 * j, 1024), 1);
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+          wgmma_m64n96k32_e4m3_ss(d, sw128_desc(ab + 32 * j, 16, 1024), sw128_desc(b0 + 32 * j, 16, 1024),
+                                  1);
+        wgmma_commit();
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 48; ++i) asm volatile("" : "+f"(d[i]));
     }
@@ -137,9 +127,9 @@ CASES = [("value alone", 900, 0), ("scores alone", 0, 400), ("both", 900, 400),
 
 def build():
     from torch.utils.cpp_extension import load_inline
-    cuda = SOURCE.replace("WRAPPERS", wrapper(48, "f16", True, False) + fp8_ss(96))
     return load_inline("k3trt_wgmma_mix", cpp_sources="void mix(torch::Tensor, torch::Tensor, "
-                       "int64_t, int64_t);", cuda_sources=cuda, functions=["mix"],
+                       "int64_t, int64_t);", cuda_sources=SOURCE, functions=["mix"],
+                       extra_include_paths=[MLA_CUDA],
                        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
