@@ -36,8 +36,8 @@
 // Per-block mbarriers (P^T ready: the block's scores warpgroup's 128 arrivals; P^T free: the value
 // warpgroups' 256, once their wgmmas on the tile retired) let the scores warpgroups run up to three
 // blocks ahead through a ring of four raw blocks (TMA, refilled four blocks ahead by the warpgroup
-// that last reads each chunk: value chunks 0-1 by warpgroup 0, 2-3 by 1, the rope chunk by the
-// block's scores warpgroup, whose parity block i + 4 shares).
+// that last reads each chunk: value chunks 0-1 by warpgroup 0's last warp through with them, 2-3 by
+// warpgroup 1's, the rope chunk by the block's scores warpgroup, whose parity block i + 4 shares).
 //
 // Why two scores warpgroups: with one, its S^T and softmax were the critical path (~100 clocks a
 // m64n48k16 wgmma against 24 at the full rate: one warpgroup's chain of fragment loads, conversions
@@ -46,10 +46,10 @@
 // the running max stays one chain in block order: block i waits for block i - 1's max (the
 // max-ready mbarrier of i % 2, published in shared memory with the factors), votes against it and
 // publishes its own; each warpgroup's row sums follow the other's moves through those factors.
-// Registers (setmaxnreg, the SM's 64K over 512 threads): value warpgroups 144 with one O^T fragment
-// in flight, scores warpgroups 112. (The split 168 / 88 with two O^T fragments spilled the scores
-// warpgroups' loop and was slower than one scores warpgroup, v18; with the e4m3 S^T, 160 / 96 and
-// two fragments was no faster, v23.)
+// Registers (setmaxnreg, the SM's 64K over 512 threads): value warpgroups 152 with one O^T fragment
+// in flight, scores warpgroups 104 (144 / 112 until session 24: 2.5-4.6% slower L2-resident, v24).
+// (The split 168 / 88 with two O^T fragments spilled the scores warpgroups' loop and was slower than
+// one scores warpgroup, v18; with the e4m3 S^T, 160 / 96 and two fragments was no faster, v23.)
 // Measured (mla_ab_h200.json run 50, an H100, fp8, 12 heads): 15% faster than one scores warpgroup
 // at batch 128 / 8K (234.7 against 270.2 us, 0.85 of the roofline), 22% at 128 / 32K, 19% at 256 / 8K,
 // 4-9% at batch 32 from 8K, equal at 128 / 1K and 9% slower at 32 / 1K (few blocks a CTA: the chain's
@@ -96,7 +96,8 @@ struct Smem {
   static constexpr int kM = kVis + kN * 4;            // float [48]: the running max
   static constexpr int kChain = kM + kN * 4;          // float [2][48]: block i's factors, by i % 2
   static constexpr int kCFlag = kChain + 2 * kN * 4;  // int [2]: whether block i moved the max
-  static constexpr int kBar = kCFlag + 16;  // 4 slots x 5 chunks, P ready, P free, max ready
+  static constexpr int kCnt = kCFlag + 16;  // int [2]: value warpgroup h's warps done with a block
+  static constexpr int kBar = kCnt + 16;    // 4 slots x 5 chunks, P ready, P free, max ready
   static constexpr int kBars = 20 + 4 + 4 + 2;
   static constexpr int kAlloc = kBar + kBars * 8 + 1024;
   static_assert(kKV % 1024 == 0 && kRawBlock % 1024 == 0 && kP % 1024 == 0,
@@ -105,14 +106,14 @@ struct Smem {
 };
 constexpr int kThreadsSwap = 512;  // value warpgroups 0, 1 (O^T), scores warpgroups 2, 3 (S^T, softmax)
 
-// named barriers (0 is __syncthreads), + warpgroup: its 128 threads; kBarValues: the two value
-// warpgroups, kBarScores: the two scores warpgroups
+// named barriers (0 is __syncthreads), + warpgroup: its 128 threads (the scores warpgroups' maxima
+// exchange), kBarValues: the two value warpgroups, kBarScores: the two scores warpgroups
 constexpr int kBarLocal = 1, kBarVote = 5, kBarValues = 9, kBarScores = 10;
 
 // Registers by warpgroup (setmaxnreg): 2 x 128 x (kRegsValue + kRegsScores) <= the 64K of the SM.
 // The value warpgroups hold O^T (96) and one V^T fragment (16); the scores warpgroups S^T's 48
 // accumulators and the softmax (they fit 104, notes v23).
-constexpr int kRegsValue = 144, kRegsScores = 112;
+constexpr int kRegsValue = 152, kRegsScores = 104;
 static_assert(2 * kRegsValue + 2 * kRegsScores <= 4 * 128, "over the CTA's register pool");
 template <int N>
 __device__ __forceinline__ void regs_inc() {
@@ -145,6 +146,13 @@ __device__ __forceinline__ void e4m3x4_to_f32x4(uint32_t v, float* y) {
   const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&l));
   const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&h));
   y[0] = a.x, y[1] = a.y, y[2] = b.x, y[3] = b.y;
+}
+// (acq_rel: the other warps' V reads of the slot happen before the refill this count may start)
+__device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t addr, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v)
+               : "memory");
+  return old;
 }
 __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
   uint2 v;
@@ -472,6 +480,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
           tid < p.rows_per_req ? max(n - (p.q_per_req - 1 - tid / p.heads), 0) : 0;
       reinterpret_cast<float*>(smem + L::kM)[tid] = -INFINITY;
     }
+    if (tid < 2) reinterpret_cast<int*>(smem + L::kCnt)[tid] = 0;
     fence_proxy_async();
   }
   __syncthreads();
@@ -617,13 +626,18 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     for (int i = 0; i < nblk; ++i) {
       const int sl = i & 3;
       int pg = 0;
-      if (t == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
+      if (lane == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
       mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, 3, blo + i, sl);
       if (flag[sl]) rescale(sl);
       ot_block(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
                      g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
-      named_bar(kBarLocal + wg, 128);  // this warpgroup's loads of the slot are done
-      if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 2 * wg, 2, false);
+      // The slot's value chunks are refilled by the warpgroup's last warp through with them: a
+      // count, not a barrier, so no warp waits for the others (the barrier and one thread's issue:
+      // 0.6-1.9% slower L2-resident, v24). A warp counts block i + 1 only after wgmmas of i + 1 that
+      // every warp issued after counting i, so a block's four counts never mix with the next's.
+      __syncwarp();
+      if (lane == 0 && i + 4 < nblk && (atom_add_acq_rel(sbase + L::kCnt + 4 * wg, 1) & 3) == 3)
+        issue(i + 4, pg, 2 * wg, 2, false);
     }
     wgmma_wait<0>();
     pin_acc(acc);
