@@ -6,9 +6,11 @@ that mla_cuda_check.py reports. Diagnostic for the fixed costs of a short split 
     PYTHONPATH=. python benchmarks/mla_breakdown.py [--cells 12:32:8192,12:128:1024] \
         [--splits auto,1,2,4,8] [--json out.json]
 
-For each cell (heads:batch:ctx, bf16 KV, 4 rows per request) and split count: µs per call of the
-verify kernel and of the merge kernel, their sum, the graph time, the KV read time at the copy rate
-measured in the same run (ceilings.py), and the verify kernel's time per page of a CTA.
+For each cell (heads:batch:ctx, bf16 or fp8 KV (--kv), 4 rows per request) and split count: µs per
+call of the verify kernel and of the merge kernel, their sum, the graph time, the KV read time at the
+copy rate measured in the same run (ceilings.py), and the verify kernel's time per page of a CTA.
+--resident N draws every page from N that stay in L2 (mla_ab.py's): the kernel's own pace, so that
+two split counts' verify times give a CTA's fixed cost and its cost per page.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from ceilings import measure
 from record import command
-from mla_verify import capture_graph, make_cache, parse_cells, replay_us
+from mla_verify import capture_graph, check_resident, make_cache, parse_cells, replay_us
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
 
@@ -77,12 +79,18 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default="12:32:8192,12:32:2048,12:32:32768,12:128:1024,12:128:8192,"
                                        "48:32:1024,96:32:1024")
     ap.add_argument("--splits", default="auto,1,2,4,8")
+    ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--resident", type=int, default=0,
+                    help="draw every page from this many, which stay in L2 (0: a real cache)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeline", action="store_true",
                     help="also run the diagnostic build once per case and print per-CTA phase times "
                          "(µs: median, p90, max)")
     args = ap.parse_args(argv)
     cells = parse_cells(args.cells, "--cells")  # (before the build: a typo fails at once)
+    check_resident(args.resident)
+    if args.timeline and args.kv == "fp8":
+        ap.error("--timeline stamps the pair kernel, which an fp8 cache at 12 heads does not run")
     from k3trt.plugins import mla_cuda
     mla_cuda.load_extension()
     ceil = measure()
@@ -93,7 +101,7 @@ def main(argv=None) -> int:
           f"{'graph':>8} {'KV@copy':>8} {'us/page':>8}"
     print(hdr)
     for heads, batch, ctx in cells:
-        inp = make_cache(batch, ctx, "bf16")
+        inp = make_cache(batch, ctx, args.kv, args.resident or None)
         q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
         auto = mla_cuda.default_splits(batch, Q_ROWS, heads)
         for s in args.splits.split(","):
@@ -106,7 +114,7 @@ def main(argv=None) -> int:
             g = capture_graph(fn, 10)
             graph = statistics.median(replay_us(g, 10) for _ in range(7))
             v, m = k.get("verify", 0.0), k.get("merge", 0.0)
-            kv_us = batch * ctx * D_QK * 2 / ceil["copy_gbps"] / 1e3
+            kv_us = batch * ctx * D_QK * (1 if args.kv == "fp8" else 2) / ceil["copy_gbps"] / 1e3
             pages = -(-ctx // PAGE) / splits
             rows.append(dict(heads=heads, batch=batch, ctx=ctx, splits=splits, verify_us=round(v, 2),
                              merge_us=round(m, 2), sum_us=round(v + m, 2), graph_us=round(graph, 2),
@@ -125,7 +133,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(command=command(__file__, argv), device=dev.name, ceilings=ceil,
-                rows=rows), f, indent=1)
+                           kv=args.kv, resident=args.resident, rows=rows), f, indent=1)
     return 0
 
 

@@ -54,7 +54,8 @@ def flashmla_us(heads: int, batch: int, ctx: int, device: str) -> float | None:
 
 
 def check_resident(pages: int) -> None:
-    """--resident N (mla_ab.py, mla_cuda_once.py): 0 for the real cache, else a page count."""
+    """--resident N (mla_ab.py, mla_cuda_once.py, mla_breakdown.py): 0 for the real cache, else a
+    page count."""
     if pages < 0:
         raise SystemExit(f"--resident: {pages} pages (need 0 for the real cache, or > 0)")
 
