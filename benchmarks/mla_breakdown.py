@@ -10,7 +10,9 @@ For each cell (heads:batch:ctx, bf16 or fp8 KV (--kv), 4 rows per request) and s
 call of the verify kernel and of the merge kernel, their sum, the graph time, the KV read time at the
 copy rate measured in the same run (ceilings.py), and the verify kernel's time per page of a CTA.
 --resident N draws every page from N that stay in L2 (mla_ab.py's): the kernel's own pace, so that
-two split counts' verify times give a CTA's fixed cost and its cost per page.
+two split counts' verify times give a CTA's fixed cost and its cost per page. The merge is a
+programmatic dependent launch whose CTAs start at once and wait for the verify grid, so its device
+time spans the verify kernel's: graph minus verify is what the merge adds to a call.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     cells = parse_cells(args.cells, "--cells")  # (before the build: a typo fails at once)
     check_resident(args.resident)
     if args.timeline and args.kv == "fp8":
-        ap.error("--timeline stamps the pair kernel, which an fp8 cache at 12 heads does not run")
+        ap.error("--timeline stamps only the pair kernel, and an fp8 cache runs the swap kernel at "
+                 "<= 48 rows a request from batch 32: leave out --timeline with --kv fp8")
     from k3trt.plugins import mla_cuda
     mla_cuda.load_extension()
     ceil = measure()

@@ -47,7 +47,8 @@
 // max-ready mbarrier of i % 2, published in shared memory with the factors), votes against it and
 // publishes its own; each warpgroup's row sums follow the other's moves through those factors.
 // Registers (setmaxnreg, the SM's 64K over 512 threads): value warpgroups 152 with one O^T fragment
-// in flight, scores warpgroups 104 (144 / 112 until session 24: 2.5-4.6% slower L2-resident, v24).
+// in flight, scores warpgroups 104 (session 24's build at 144 / 112, with the refill behind a
+// barrier: 2.9-4.6% slower L2-resident from 8K at batch >= 128, 1.3-1.6% below, v24).
 // (The split 168 / 88 with two O^T fragments spilled the scores warpgroups' loop and was slower than
 // one scores warpgroup, v18; with the e4m3 S^T, 160 / 96 and two fragments was no faster, v23.)
 // Measured (mla_ab_h200.json run 50, an H100, fp8, 12 heads): 15% faster than one scores warpgroup
@@ -626,15 +627,18 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     for (int i = 0; i < nblk; ++i) {
       const int sl = i & 3;
       int pg = 0;
+      // (every warp's lane 0 reads the page id: which warp issues the refill is known only at the
+      // count below, and the load's latency must be spent before it)
       if (lane == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
       mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, 3, blo + i, sl);
       if (flag[sl]) rescale(sl);
       ot_block(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
                      g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
       // The slot's value chunks are refilled by the warpgroup's last warp through with them: a
-      // count, not a barrier, so no warp waits for the others (the barrier and one thread's issue:
-      // 0.6-1.9% slower L2-resident, v24). A warp counts block i + 1 only after wgmmas of i + 1 that
-      // every warp issued after counting i, so a block's four counts never mix with the next's.
+      // count, not a barrier, so no warp waits for the others (the barrier and one thread's issue,
+      // at the same registers: -0.4 to +1.9% L2-resident, the most at 128 / 32K; run 77, v24). A
+      // warp counts block i + 1 only after wgmmas of i + 1 that every warp issued after counting i,
+      // so a block's four counts never mix with the next's.
       __syncwarp();
       if (lane == 0 && i + 4 < nblk && (atom_add_acq_rel(sbase + L::kCnt + 4 * wg, 1) & 3) == 3)
         issue(i + 4, pg, 2 * wg, 2, false);
