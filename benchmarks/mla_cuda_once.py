@@ -36,8 +36,8 @@ def main(argv=None):
     from k3trt.plugins import mla_cuda
     inp = make_cache(args.batch, args.ctx, args.kv, pages=args.resident or None)
     q = torch.randn(args.batch * Q_ROWS, args.heads, D_QK, device="cuda", dtype=torch.bfloat16)
-    splits = mla_cuda.default_splits(args.batch, Q_ROWS, args.heads)
     for sched in args.schedules.split(","):
+        splits = mla_cuda.default_splits(args.batch, Q_ROWS, args.heads, 0, sched)
         for _ in range(3):
             mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, 192 ** -0.5,
                                      0.25 if args.kv == "fp8" else 1.0, D_V, splits,

@@ -37,16 +37,34 @@ def test_schedules_table():
     assert sorted(mla_cuda.SCHEDULES.values()) == [0, 1, 2]  # the kernel's LaunchArgs::schedule codes
 
 
-@pytest.mark.parametrize("kv, rows, batch, expect", [
-    (torch.float8_e4m3fn, 48, 32, "swap"),    # 12 heads x 4 at TP 8, batch 32
-    (torch.float8_e4m3fn, 12, 256, "swap"),   # plain decode
-    (torch.float8_e4m3fn, 48, 16, "pair"),    # few requests: the swap CTA's fixed cost
-    (torch.float8_e4m3fn, 64, 128, "pair"),   # 16 heads x 4: more rows than its tile
-    (torch.bfloat16, 48, 128, "pair"),        # the swap kernel takes fp8 only
+@pytest.mark.parametrize("kv, q, heads, batch, expect", [
+    (torch.float8_e4m3fn, 4, 12, 32, "swap"),    # 12 heads x 4 at TP 8, batch 32
+    (torch.float8_e4m3fn, 1, 12, 256, "swap"),   # plain decode: the request in one CTA
+    (torch.float8_e4m3fn, 4, 48, 32, "swap"),    # TP 2: 4 head groups of 12 x 4 rows
+    (torch.float8_e4m3fn, 4, 96, 128, "swap"),   # TP 1: 8 of them
+    (torch.float8_e4m3fn, 1, 96, 64, "swap"),    # 2 groups of 48 heads
+    (torch.float8_e4m3fn, 4, 12, 16, "pair"),    # few requests: the swap CTA's fixed cost
+    (torch.float8_e4m3fn, 4, 16, 128, "pair"),   # 2 groups of 8 heads x 4: CTAs a third empty
+    (torch.float8_e4m3fn, 49, 1, 128, "pair"),   # more query rows than a swap CTA has
+    (torch.bfloat16, 4, 12, 128, "pair"),        # the swap kernel takes fp8 only
 ])
-def test_pick_schedule(kv, rows, batch, expect):
-    assert mla_cuda.pick_schedule(kv, rows, batch) == expect
+def test_pick_schedule(kv, q, heads, batch, expect):
+    assert mla_cuda.pick_schedule(kv, q, heads, batch) == expect
     assert expect in mla_cuda.SCHEDULES
+
+
+@pytest.mark.parametrize("q, heads, expect", [(4, 12, 12), (4, 48, 12), (4, 96, 12), (1, 96, 48),
+                                              (2, 48, 24), (3, 16, 16), (4, 16, 8), (4, 5, 5),
+                                              (4, 13, 1), (48, 3, 1), (49, 1, 0)])
+def test_swap_head_group(q, heads, expect):
+    """The most heads that divide H with Q x them <= 48 (the kernel's own rule, sm90_common.cuh)."""
+    assert mla_cuda.swap_head_group(q, heads) == expect
+
+
+def test_swap_tiles_are_head_groups():
+    """The swap grid's CTAs per split (split plans count them): heads / head group per request."""
+    assert mla_cuda._tiles(32, 4, 48, "swap") == 128 and mla_cuda._tiles(32, 4, 48, "pair") == 96
+    assert mla_cuda.wave_splits(8, 4, 96, 5, 132, "swap") == 2  # 64 CTAs: two splits fill 128 SMs
 
 
 @pytest.mark.parametrize("batch, heads, splits, expect", [

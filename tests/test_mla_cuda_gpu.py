@@ -2,8 +2,8 @@
 reference, on fresh random inputs: lengths not multiple of 64, zero length, batch 1 / 32, H = 12
 (one M tile) and H = 48 (three), bf16 and fp8 KV, split-K on and off, NaN-poisoned outputs and
 scratch (every element written, no unwritten partial read), NaN in every cache slot past a length.
-All kernel schedules (``shared``, ``pair``, and ``swap`` for fp8 caches with at most 48 rows a
-request: 12 heads x 4, 24 x 2, 16 x 3, 12 x 1, 5 x 4). Relative error under 1e-2, never a NaN.
+All kernel schedules (``shared``, ``pair``, and ``swap`` for fp8 caches: a request's rows in one
+CTA as 12 heads x 4, 24 x 2, 16 x 3, 12 x 1, 5 x 4, or in head groups as 48 x 4, 96 x 1, 16 x 4). Relative error under 1e-2, never a NaN.
 Run on the H200 (sm_90 only; the extension JIT-builds on first use):
 ``pytest -m gpu tests/test_mla_cuda_gpu.py``.
 """
@@ -233,12 +233,15 @@ def test_misaligned_q_is_refused():
 def swap_cases():
     """fp8 caches with every row count the swap kernel takes: 48 rows as 12 heads x 4, 24 x 2 and
     16 x 3 (the visible length changes at other columns), 12 x 1 (plain decode) and 5 x 4 (28 of 48
-    columns padding), lengths from 0 to 20000."""
+    columns padding), lengths from 0 to 20000; and requests over several CTAs (head groups): 48
+    heads x 4 (4 groups of 12), 96 x 1 (2 of 48), 16 x 4 (2 of 8: 32 rows)."""
     g = torch.Generator().manual_seed(9)
     lens32 = tuple(int(x) for x in torch.randint(1, 3000, (32,), generator=g))
     out = [_case(lens, 12, FP8) for lens in LENS + [lens32]]
     out += [_case((129, 64, 3000), 24, FP8, 2), _case((700, 1, 2049), 16, FP8, 3),
             _case((0, 65, 5000), 12, FP8, 1), _case((3000, 70, 1200), 5, FP8)]
+    out += [_case((17, 300, 1500, 0), 48, FP8), _case((129, 3000), 96, FP8, 1),
+            _case((700, 65, 2049), 16, FP8)]
     return out
 
 
@@ -249,23 +252,25 @@ def test_swap_kernel_matches_reference(case, splits):
     check(*run(case, splits, seed=splits or 0, schedule="swap"))
 
 
-@pytest.mark.parametrize("kv, heads", [(None, 12), (FP8, 16)], ids=["bf16", "64-rows"])
-def test_swap_refuses_what_it_does_not_take(kv, heads):
-    """A bf16 cache, or more than 48 rows a request: refused by name, not computed wrongly."""
+@pytest.mark.parametrize("kv, q_per_req", [(None, 4), (FP8, 49)], ids=["bf16", "49-rows"])
+def test_swap_refuses_what_it_does_not_take(kv, q_per_req):
+    """A bf16 cache, or more query rows a request than a CTA has: refused by name, not computed
+    wrongly."""
     from k3trt.plugins import mla_cuda
-    case = _case((100,), heads, kv)
+    case = _case((100,), 1, kv, q_per_req)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
-    expect = "schedule swap takes an fp8 cache and at most 48 rows"
+    expect = "schedule swap takes an fp8 cache and at most 48 query rows a request"
     with pytest.raises(RuntimeError, match=expect):
-        mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, 0.1, case.kv_scale, 512,
+        mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, q_per_req, 0.1, case.kv_scale, 512,
                                  schedule="swap")
 
 
-def test_default_schedule_takes_swap_where_picked():
-    """With no schedule given, an fp8 cache at 12 heads and batch 32 runs the swap kernel
-    (pick_schedule), through the same split plan and merge as the others."""
+@pytest.mark.parametrize("heads", [12, 48])
+def test_default_schedule_takes_swap_where_picked(heads):
+    """With no schedule given, an fp8 cache at 12 heads (one CTA a request) or 48 (four head
+    groups) and batch 32 runs the swap kernel (pick_schedule), through the default split plan."""
     from k3trt.plugins import mla_cuda
     g = torch.Generator().manual_seed(12)
-    case = _case(tuple(int(x) for x in torch.randint(1, 5000, (32,), generator=g)), 12, FP8)
-    assert mla_cuda.pick_schedule(FP8, 48, 32) == "swap"
+    case = _case(tuple(int(x) for x in torch.randint(1, 5000, (32,), generator=g)), heads, FP8)
+    assert mla_cuda.pick_schedule(FP8, 4, heads, 32) == "swap"
     check(*run(case, None, seed=12, schedule=None))

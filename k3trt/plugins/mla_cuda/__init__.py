@@ -33,12 +33,13 @@ mbarrier per 8 KB chunk, and each warpgroup reloads the chunks it was the last t
 - ``shared`` (mla_verify_sm90.cu, the first version): both warpgroups on each block, 32 tokens of
   scores each; kept as the measured baseline.
 In these two an fp8 cache lands as raw bytes and is expanded in place to fp16 before the same MMAs.
-- ``swap`` (mla_verify_sm90_swap.cu; an fp8 cache and at most 48 rows a request, 12 heads x 4 at
-  TP 8): the tokens are the MMA's M dimension and the cache its A operand, converted from fp8 in
-  registers, so nothing is expanded through shared memory and no row is padding; two warpgroups
-  compute the scores and P of alternate blocks, two multiply P into their halves of O (512
-  threads). The default
-  where pick_schedule says so (batch >= 32: it costs more per CTA and wins from a few blocks a CTA).
+- ``swap`` (mla_verify_sm90_swap.cu; an fp8 cache): the tokens are the MMA's M dimension and the
+  cache its A operand (e4m3 for the scores, converted in registers for P·V), so nothing is expanded
+  through shared memory and no row is padding; two warpgroups compute the scores and P of alternate
+  blocks, two multiply P into their halves of O (512 threads). A CTA takes at most 48 rows: a
+  request's 12 heads x 4 query rows at TP 8, and at 48 / 96 heads (TP 2 / 1) one of 4 / 8 head
+  groups, which read the same pages (swap_head_group). The default where pick_schedule says so
+  (batch >= 32: it costs more per CTA and wins from a few blocks a CTA).
 
 Build: torch.utils.cpp_extension.load with nvcc for sm_90a (``-gencode=arch=compute_90a,
 code=sm_90a``: wgmma needs the "a" target). The build is cached by torch under
@@ -79,7 +80,7 @@ _TIMEOUT_NAMES = {1: "KV chunk mbarrier wait timed out", 2: "Q tile mbarrier wai
                   6: "swap kernel: running-max ready mbarrier wait timed out"}
 # kernel schedules (mla_verify_sm90.h): "shared" = both warpgroups on each block (v4), "pair" = the
 # warpgroups on alternate blocks (mla_verify_sm90_pair.cu), "swap" = tokens as the MMA's M, an fp8
-# cache converted in registers (mla_verify_sm90_swap.cu: fp8, at most SWAP_MAX_ROWS rows a request)
+# cache converted in registers (mla_verify_sm90_swap.cu: fp8, at most SWAP_MAX_ROWS rows a CTA)
 SCHEDULES = {"shared": 0, "pair": 1, "swap": 2}
 DEFAULT_SCHEDULE = "pair"
 SWAP_MAX_ROWS = 48
@@ -93,10 +94,22 @@ SWAP_MAX_ROWS = 48
 SWAP_MIN_BATCH = 32
 
 
-def pick_schedule(kv_dtype: torch.dtype, rows_per_req: int, batch: int) -> str:
-    """The default kernel for a call: swap for an fp8 cache with at most SWAP_MAX_ROWS rows a request
-    and a batch of at least SWAP_MIN_BATCH, else pair."""
-    if kv_dtype == FP8 and rows_per_req <= SWAP_MAX_ROWS and batch >= SWAP_MIN_BATCH:
+def swap_head_group(q_per_req: int, heads: int) -> int:
+    """Heads a swap CTA takes: the most that divide `heads` with q_per_req x them <= SWAP_MAX_ROWS
+    (0 when q_per_req alone is more). The kernel computes the same (swap_head_group in
+    sm90_common.cuh); its grid has heads / this CTAs per request and split."""
+    g = min(SWAP_MAX_ROWS // max(q_per_req, 1), heads)
+    while g > 1 and heads % g:
+        g -= 1
+    return g
+
+
+def pick_schedule(kv_dtype: torch.dtype, q_per_req: int, heads: int, batch: int) -> str:
+    """The default kernel for a call: swap for an fp8 cache and a batch of at least SWAP_MIN_BATCH
+    whose request fits one CTA or fills its CTAs (SWAP_MAX_ROWS rows each), else pair."""
+    rows = q_per_req * swap_head_group(q_per_req, heads)
+    if kv_dtype == FP8 and batch >= SWAP_MIN_BATCH and rows > 0 and \
+            (rows == q_per_req * heads or rows == SWAP_MAX_ROWS):
         return "swap"
     return DEFAULT_SCHEDULE
 
@@ -157,18 +170,22 @@ def _err_buffer(index: int) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, device=f"cuda:{index}")
 
 
-def _tiles(batch: int, q_per_req: int, heads: int) -> int:
-    """CTAs per split: the batch's 64-row M tiles of folded Q·H rows."""
+def _tiles(batch: int, q_per_req: int, heads: int, schedule: str = DEFAULT_SCHEDULE) -> int:
+    """CTAs per split: the batch's 64-row M tiles of folded Q·H rows, or its head groups (swap)."""
+    if schedule == "swap":
+        return batch * (heads // max(1, swap_head_group(q_per_req, heads)))
     return batch * -(-q_per_req * heads // 64)
 
 
-def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0) -> int:
-    return choose_splits(max(1, _tiles(batch, q_per_req, heads)), _num_sms(device_index))
+def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0,
+                   schedule: str = DEFAULT_SCHEDULE) -> int:
+    return choose_splits(max(1, _tiles(batch, q_per_req, heads, schedule)), _num_sms(device_index))
 
 
-def wave_splits(batch: int, q_per_req: int, heads: int, splits: int, num_sms: int) -> int:
+def wave_splits(batch: int, q_per_req: int, heads: int, splits: int, num_sms: int,
+                schedule: str = DEFAULT_SCHEDULE) -> int:
     """The most splits (<= splits) whose grid is one wave of CTAs (one CTA per SM)."""
-    return max(1, min(splits, num_sms // max(1, _tiles(batch, q_per_req, heads))))
+    return max(1, min(splits, num_sms // max(1, _tiles(batch, q_per_req, heads, schedule))))
 
 
 def kernel_error(device=None) -> dict | None:
@@ -195,7 +212,7 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
     is read. schedule None: pick_schedule's. ext: another build of the extension to run
     (load_extension's diagnostics)."""
     if schedule is None:
-        schedule = pick_schedule(kv_cache.dtype, q_per_req * q.shape[1], block_table.shape[0])
+        schedule = pick_schedule(kv_cache.dtype, q_per_req, q.shape[1], block_table.shape[0])
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
@@ -207,10 +224,10 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
                          f"seq_lens {tuple(seq_lens.shape)}, q_per_req {q_per_req} disagree")
     index = q.device.index or 0
     if num_splits is None:
-        num_splits = default_splits(batch, q_per_req, heads, index)
+        num_splits = default_splits(batch, q_per_req, heads, index, schedule)
     num_splits = max(1, int(num_splits))
     if max_spread is None:
-        max_spread = wave_splits(batch, q_per_req, heads, num_splits, _num_sms(index))
+        max_spread = wave_splits(batch, q_per_req, heads, num_splits, _num_sms(index), schedule)
     if out is None:
         out = torch.empty(batch * q_per_req, heads, D_V, dtype=q.dtype, device=q.device)
     if lse is None:

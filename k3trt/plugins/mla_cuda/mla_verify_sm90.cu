@@ -554,9 +554,10 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
                   swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   };
   const bool swap = a.schedule == 2;
-  if (swap && (!a.kv_fp8 || a.q_per_req * a.heads > kSwapMaxRows)) {
-    snprintf(msg, msg_len, "schedule swap takes an fp8 cache and at most %d rows a request "
-             "(q_per_req %d x heads %d)", kSwapMaxRows, a.q_per_req, a.heads);
+  const int head_group = swap ? swap_head_group(a.q_per_req, a.heads) : a.heads;
+  if (swap && (!a.kv_fp8 || head_group < 1)) {
+    snprintf(msg, msg_len, "schedule swap takes an fp8 cache and at most %d query rows a request "
+             "(q_per_req %d)", kSwapMaxRows, a.q_per_req);
     return 1;
   }
   CUtensorMap map, q_map;
@@ -587,6 +588,7 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   p.q_per_req = a.q_per_req;
   p.heads = a.heads;
   p.rows_per_req = a.q_per_req * a.heads;
+  p.head_group = head_group;
   p.num_splits = a.num_splits;
   p.rule = {std::max(1, std::min(a.wave_splits, a.num_splits)), std::max(1, a.min_split_blocks),
             std::max(1, a.full_split_blocks)};
@@ -594,7 +596,8 @@ int launch(const LaunchArgs& a, cudaStream_t stream, char* msg, size_t msg_len) 
   p.scale_log2 = a.softmax_scale * a.kv_scale * log2e * (a.kv_fp8 ? 16.f : 1.f);
   p.out_scale = a.kv_scale;
 
-  const int m_tiles = (p.rows_per_req + 63) / 64;
+  // x: the pair kernels' 64-row M tiles of a request, or the swap kernel's head groups
+  const int m_tiles = swap ? a.heads / head_group : (p.rows_per_req + 63) / 64;
   dim3 grid(m_tiles, a.num_splits, a.batch);
   // which kernel: the pair schedule or the shared-block one
   cudaError_t e;

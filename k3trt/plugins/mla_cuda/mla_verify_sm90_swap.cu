@@ -1,5 +1,8 @@
 // SM90 kernel for k3trt::mla_verify, "swap" schedule: an fp8-e4m3 cache and at most 48 folded rows
-// a request (12 heads x 4 query rows at TP 8). The pair kernel multiplies Q (64 rows, 16 of them
+// a CTA: a request's 12 heads x 4 query rows at TP 8, or at 48 / 96 heads (TP 2 / 1) one of its 4 / 8
+// head groups of 12 (grid x; the groups read the same pages at about the same time, mostly from L2:
+// 1.27-1.35x faster than the pair kernel there from batch 32, 0.98x at 96 heads batch 128 / 1K;
+// notes v25). The pair kernel multiplies Q (64 rows, 16 of them
 // padding at 12 heads) by the cache as wgmma's B operand, which must sit in shared memory, so an fp8
 // cache is expanded to fp16 there first: a shared-memory round trip on each warpgroup's path that
 // costs ~20% (mla_verify_notes.md v13). Here the tokens are the M dimension instead ("swap AB"):
@@ -363,8 +366,15 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   const int g = lane >> 2, q = lane & 3;
   pdl_launch_dependents();
 
-  const int b = blockIdx.z;
+  // request b, head group blockIdx.x: tile row r is query row j = r / head_group of head
+  // blockIdx.x * head_group + r % head_group, row row_of(r) of the [B*Q, H] outputs
+  const int b = blockIdx.z, hg = p.head_group, rows = p.q_per_req * hg;
   const long row_base = static_cast<long>(b) * p.rows_per_req;
+  auto row_of = [&](int r) -> long {
+    if (hg == p.heads) return row_base + r;  // (one group: the request's rows in order, no division)
+    const int j = r / hg;
+    return row_base + j * p.heads + blockIdx.x * hg + (r - j * hg);
+  };
   // Q's global loads first: their latency overlaps the length read, the split range and the
   // first TMA issues (a CTA left without blocks drops them)
   constexpr int kPieces = kN * (kD / 8), kPer = (kPieces + kThreadsSwap - 1) / kThreadsSwap;
@@ -374,8 +384,8 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int i = tid + kThreadsSwap * k, r = i / (kD / 8), pc = i % (kD / 8);
-      qv[k] = i < kPieces && r < p.rows_per_req
-                  ? __ldg(reinterpret_cast<const uint4*>(qg + (row_base + r) * kD + pc * 8))
+      qv[k] = i < kPieces && r < rows
+                  ? __ldg(reinterpret_cast<const uint4*>(qg + row_of(r) * kD + pc * 8))
                   : make_uint4(0, 0, 0, 0);
     }
   }
@@ -408,7 +418,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
   }
   const SplitRange sr = split_range(p, p.seq_lens[b], blockIdx.y);
   if (sr.nblk == 0) {
-    if (tid < kThreads) write_unseen(p, row_base, 0, blockIdx.y, sr.split_out(), tid);
+    if (tid < kThreads) write_unseen_rows(p, rows, row_of, blockIdx.y, sr.split_out(), tid);
     return;
   }
   const int nblk = sr.nblk, blo = sr.blo, n = sr.n;
@@ -476,9 +486,9 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       st_shared(a, make_uint2(hi[0], hi[1]));
       st_shared(a + lo_off, make_uint2(lo[0], lo[1]));
     }
-    if (tid < kN) {  // row m = j*H + h sees n - (Q-1-j) tokens; padding rows none
+    if (tid < kN) {  // tile row r = j*hg + h sees n - (Q-1-j) tokens; padding rows none
       reinterpret_cast<int*>(smem + L::kVis)[tid] =
-          tid < p.rows_per_req ? max(n - (p.q_per_req - 1 - tid / p.heads), 0) : 0;
+          tid < rows ? max(n - (p.q_per_req - 1 - tid / hg), 0) : 0;
       reinterpret_cast<float*>(smem + L::kM)[tid] = -INFINITY;
     }
     if (tid < 2) reinterpret_cast<int*>(smem + L::kCnt)[tid] = 0;
@@ -594,9 +604,9 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 #pragma unroll
         for (int k = 0; k < 8; ++k) l += red2[k * kN + col];
         lfin[col] = l;
-        if (col >= p.rows_per_req) continue;
+        if (col >= rows) continue;
         const float lse = l > 0.f ? (mrun[col] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
-        const long gr = row_base + col;
+        const long gr = row_of(col);
         if (sr.split_out()) p.part_lse[gr * p.num_splits + blockIdx.y] = lse;
         else p.lse[gr] = lse;
       }
@@ -665,13 +675,13 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     uint16_t* dst = split_out ? p.part_o + static_cast<long>(blockIdx.y) * kDV
                               : reinterpret_cast<uint16_t*>(p.out);
     const long stride = split_out ? static_cast<long>(p.num_splits) * kDV : kDV;
-    for (int i = tid; i < p.rows_per_req * (kDV / 8); i += 256) {  // 8 columns a thread
+    for (int i = tid; i < rows * (kDV / 8); i += 256) {  // 8 columns a thread
       const int col = i / (kDV / 8), d = (i % (kDV / 8)) * 8;
       const float l = lfin[col];
       const float inv = l > 0.f ? (f16 ? 1.f : p.out_scale) / l : 0.f;
       const float4 x0 = *reinterpret_cast<const float4*>(ost + col * kDV + d);
       const float4 x1 = *reinterpret_cast<const float4*>(ost + col * kDV + d + 4);
-      *reinterpret_cast<uint4*>(dst + (row_base + col) * stride + d) =
+      *reinterpret_cast<uint4*>(dst + row_of(col) * stride + d) =
           make_uint4(pack2(x0.x * inv, x0.y * inv, f16), pack2(x0.z * inv, x0.w * inv, f16),
                      pack2(x1.x * inv, x1.y * inv, f16), pack2(x1.z * inv, x1.w * inv, f16));
     }

@@ -27,7 +27,17 @@ constexpr int kChunks = kD / 64;          // 9 chunks of 64 columns
 constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
 constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
 constexpr int kThreads = 256;
-constexpr int kSwapMaxRows = 48;      // rows a request the swap kernel takes (its MMA's N)
+constexpr int kSwapMaxRows = 48;      // rows a CTA of the swap kernel takes (its MMA's N)
+// Heads a swap CTA takes: the most that divide `heads` with q_per_req x them <= kSwapMaxRows (12 at
+// Q = 4 for 12, 48 and 96 heads; 0 if q_per_req > kSwapMaxRows). The grid's x is heads / it: a
+// request's head groups read the same pages, at about the same time (mostly from L2). Mirrored by
+// swap_head_group in __init__.py.
+__host__ __device__ constexpr int swap_head_group(int q_per_req, int heads) {
+  int g = q_per_req > 0 ? kSwapMaxRows / q_per_req : 0;
+  g = g < heads ? g : heads;
+  while (g > 1 && heads % g != 0) --g;
+  return g;
+}
 
 // How a request spreads over the grid's splits (active_splits): all num_splits when it has at least
 // full_blocks pages per split (the extra waves of CTAs and their partials are then paid for);
@@ -52,6 +62,7 @@ struct Params {
   int q_per_req;
   int heads;
   int rows_per_req;       // q_per_req * heads
+  int head_group;         // heads a swap CTA takes (its tile: q_per_req x head_group rows); heads elsewhere
   int num_splits;
   SplitRule rule;
   float scale_log2;       // softmax_scale * kv_scale * log2(e) (/ q pre-scale on the fp8 path)
@@ -422,25 +433,33 @@ __device__ __forceinline__ void mask_rowmax(float* s, int tok0, const int* vis, 
   }
 }
 
-// A CTA with nothing to read: lse = -inf (and out = 0 where its request needs no merge).
-__device__ __forceinline__ void write_unseen(const Params& p, long row_base, int m0, int split,
-                                             bool split_out, int tid) {
+// A CTA with nothing to read: lse = -inf (and out = 0 where its request needs no merge) for its
+// `rows` rows (<= 64), tile row r being row_of(r) of the outputs.
+template <typename RowOf>
+__device__ __forceinline__ void write_unseen_rows(const Params& p, int rows, RowOf row_of,
+                                                  int split, bool split_out, int tid) {
   if (!split_out && split != 0) return;  // split 0 writes the request's rows
   for (int r = tid; r < 64; r += kThreads) {
-    if (m0 + r < p.rows_per_req) {
-      if (split_out) p.part_lse[(row_base + r) * p.num_splits + split] = -INFINITY;
-      else p.lse[row_base + r] = -INFINITY;
+    if (r < rows) {
+      if (split_out) p.part_lse[row_of(r) * p.num_splits + split] = -INFINITY;
+      else p.lse[row_of(r)] = -INFINITY;
     }
   }
   if (!split_out) {
     __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.out);
     for (int i = tid; i < 64 * (kDV / 8); i += kThreads) {
       const int r = i / (kDV / 8);
-      if (m0 + r < p.rows_per_req)
-        *reinterpret_cast<uint4*>(out + (row_base + r) * kDV + (i % (kDV / 8)) * 8) =
+      if (r < rows)
+        *reinterpret_cast<uint4*>(out + row_of(r) * kDV + (i % (kDV / 8)) * 8) =
             make_uint4(0, 0, 0, 0);
     }
   }
+}
+// (the pair kernels' tiles: 64 consecutive folded rows from m0)
+__device__ __forceinline__ void write_unseen(const Params& p, long row_base, int m0, int split,
+                                             bool split_out, int tid) {
+  write_unseen_rows(p, p.rows_per_req - m0, [&](int r) { return row_base + r; }, split, split_out,
+                    tid);
 }
 
 // Epilogue shared by the kernels: warpgroup wg holds columns 256wg.. of its rows r0, r0+8 in acc
