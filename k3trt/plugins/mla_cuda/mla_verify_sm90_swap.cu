@@ -1,8 +1,8 @@
 // SM90 kernel for k3trt::mla_verify, "swap" schedule: an fp8-e4m3 cache and at most 48 folded rows
 // a CTA: a request's 12 heads x 4 query rows at TP 8, or at 48 / 96 heads (TP 2 / 1) one of its 4 / 8
 // head groups of 12 (grid x; the groups read the same pages at about the same time, mostly from L2:
-// 1.27-1.35x faster than the pair kernel there from batch 32, 0.98x at 96 heads batch 128 / 1K;
-// notes v25). The pair kernel multiplies Q (64 rows, 16 of them
+// 1.27-1.38x faster than the pair kernel there from 8K or at batch 32, 0.98-1.02x at batch 64-128 /
+// 1K on an H100; notes v25). The pair kernel multiplies Q (64 rows, 16 of them
 // padding at 12 heads) by the cache as wgmma's B operand, which must sit in shared memory, so an fp8
 // cache is expanded to fp16 there first: a shared-memory round trip on each warpgroup's path that
 // costs ~20% (mla_verify_notes.md v13). Here the tokens are the M dimension instead ("swap AB"):
@@ -349,6 +349,10 @@ __device__ __forceinline__ void store_pt(float* s, const float* m, float scale, 
 
 }  // namespace swap
 
+// kGrouped: a request over several CTAs (head groups); without, the code of one CTA a request is
+// the one-group kernel as it was (its row mapping compiled apart: sharing the grouped one's, a
+// runtime choice, cost 1-7% at 12 heads, most at batch 32 / 1K; notes v25)
+template <bool kGrouped>
 __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     mla_verify_sm90_swap_kernel(const __grid_constant__ CUtensorMap kv128,
                                 const __grid_constant__ CUtensorMap kv64, const Params p) {
@@ -368,10 +372,11 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 
   // request b, head group blockIdx.x: tile row r is query row j = r / head_group of head
   // blockIdx.x * head_group + r % head_group, row row_of(r) of the [B*Q, H] outputs
-  const int b = blockIdx.z, hg = p.head_group, rows = p.q_per_req * hg;
+  const int b = blockIdx.z, hg = kGrouped ? p.head_group : p.heads;
+  const int rows = kGrouped ? p.q_per_req * hg : p.rows_per_req;
   const long row_base = static_cast<long>(b) * p.rows_per_req;
   auto row_of = [&](int r) -> long {
-    if (hg == p.heads) return row_base + r;  // (one group: the request's rows in order, no division)
+    if (!kGrouped) return row_base + r;
     const int j = r / hg;
     return row_base + j * p.heads + blockIdx.x * hg + (r - j * hg);
   };
@@ -690,10 +695,13 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
 
 cudaError_t launch_swap(const CUtensorMap& kv128, const CUtensorMap& kv64, const Params& p,
                         dim3 grid, cudaStream_t stream) {
-  static const cudaError_t allowed = allow_smem(mla_verify_sm90_swap_kernel, swap::Smem::kAlloc);
-  if (allowed != cudaSuccess) return allowed;
-  mla_verify_sm90_swap_kernel<<<grid, swap::kThreadsSwap, swap::Smem::kAlloc, stream>>>(kv128, kv64,
-                                                                                      p);
+  static const cudaError_t allowed[2] = {
+      allow_smem(mla_verify_sm90_swap_kernel<false>, swap::Smem::kAlloc),
+      allow_smem(mla_verify_sm90_swap_kernel<true>, swap::Smem::kAlloc)};
+  const bool grouped = p.head_group != p.heads;
+  if (allowed[grouped] != cudaSuccess) return allowed[grouped];
+  const auto fn = grouped ? mla_verify_sm90_swap_kernel<true> : mla_verify_sm90_swap_kernel<false>;
+  fn<<<grid, swap::kThreadsSwap, swap::Smem::kAlloc, stream>>>(kv128, kv64, p);
   return cudaGetLastError();
 }
 
