@@ -106,9 +106,7 @@ def main(argv=None) -> int:
     for heads, batch, ctx in cells:
         inp = make_cache(batch, ctx, args.kv, args.resident or None)
         q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
-        kv_dtype = mla_cuda.FP8 if args.kv == "fp8" else torch.bfloat16
-        auto = mla_cuda.default_splits(batch, Q_ROWS, heads, 0,
-                                       mla_cuda.pick_schedule(kv_dtype, Q_ROWS, heads, batch))
+        _, auto = mla_cuda.default_plan(inp.cache.dtype, batch, Q_ROWS, heads)
         for s in args.splits.split(","):
             splits = auto if s == "auto" else int(s)
 

@@ -325,8 +325,7 @@ def time_cases(variants, cases, ceil, report):
 def cuda_call(row, q, inp, scale, kv_scale, schedule, rule):
     from k3trt.plugins import mla_cuda
     batch, heads = inp.table.shape[0], q.shape[1]
-    schedule = schedule or mla_cuda.pick_schedule(inp.cache.dtype, Q_ROWS, heads, batch)
-    splits = mla_cuda.default_splits(batch, Q_ROWS, heads, 0, schedule)
+    schedule, splits = mla_cuda.default_plan(inp.cache.dtype, batch, Q_ROWS, heads, 0, schedule)
     row["splits"] = splits
     launch = split_rule(rule or "auto")
     return lambda: mla_cuda.mla_verify_cuda(q, inp.cache, inp.table, inp.seq_lens, Q_ROWS, scale,

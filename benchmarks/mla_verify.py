@@ -198,8 +198,8 @@ def kernel_call(spec, batch, q_rows, heads, kv_fp8):
     rule and merge), else a Triton config name (parse_config) launched per its capacity plan."""
     if spec == "cuda":
         from k3trt.plugins import mla_cuda
-        sched = mla_cuda.pick_schedule(mla_cuda.FP8 if kv_fp8 else torch.bfloat16, q_rows, heads, batch)
-        splits = mla_cuda.default_splits(batch, q_rows, heads, 0, sched)
+        _, splits = mla_cuda.default_plan(mla_cuda.FP8 if kv_fp8 else torch.bfloat16, batch, q_rows,
+                                          heads)
         return (lambda q, c, t, n, sc, ks: mla_cuda.mla_verify_cuda(q, c, t, n, q_rows, sc, ks, D_V,
                                                                     splits)), splits
     from k3trt.plugins import mla_triton

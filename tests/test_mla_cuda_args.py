@@ -76,3 +76,13 @@ def test_swap_tiles_are_head_groups():
 ])
 def test_wave_splits(batch, heads, splits, expect):
     assert mla_cuda.wave_splits(batch, 4, heads, splits, num_sms=132) == expect
+
+
+def test_default_plan_is_the_ops_choice(monkeypatch):
+    """The (schedule, splits) the op takes by default, which benchmarks report: at 48 heads, batch 32
+    an fp8 cache runs swap on one split of 128 head-group CTAs, bf16 the pair kernel on four of 96;
+    a given schedule is kept."""
+    monkeypatch.setattr(mla_cuda, "_num_sms", lambda index: 132)
+    assert mla_cuda.default_plan(torch.float8_e4m3fn, 32, 4, 48) == ("swap", 1)
+    assert mla_cuda.default_plan(torch.bfloat16, 32, 4, 48) == ("pair", 4)
+    assert mla_cuda.default_plan(torch.float8_e4m3fn, 32, 4, 48, schedule="pair") == ("pair", 4)

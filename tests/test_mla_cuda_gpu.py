@@ -3,7 +3,8 @@ reference, on fresh random inputs: lengths not multiple of 64, zero length, batc
 (one M tile) and H = 48 (three), bf16 and fp8 KV, split-K on and off, NaN-poisoned outputs and
 scratch (every element written, no unwritten partial read), NaN in every cache slot past a length.
 All kernel schedules (``shared``, ``pair``, and ``swap`` for fp8 caches: a request's rows in one
-CTA as 12 heads x 4, 24 x 2, 16 x 3, 12 x 1, 5 x 4, or in head groups as 48 x 4, 96 x 1, 16 x 4). Relative error under 1e-2, never a NaN.
+CTA as 12 heads x 4, 24 x 2, 16 x 3, 12 x 1, 5 x 4, or in head groups as 48 x 4, 96 x 1, 16 x 4).
+Relative error under 1e-2, never a NaN.
 Run on the H200 (sm_90 only; the extension JIT-builds on first use):
 ``pytest -m gpu tests/test_mla_cuda_gpu.py``.
 """

@@ -182,6 +182,14 @@ def default_splits(batch: int, q_per_req: int, heads: int, device_index: int = 0
     return choose_splits(max(1, _tiles(batch, q_per_req, heads, schedule)), _num_sms(device_index))
 
 
+def default_plan(kv_dtype: torch.dtype, batch: int, q_per_req: int, heads: int,
+                 device_index: int = 0, schedule: str | None = None) -> tuple[str, int]:
+    """(schedule, splits) that mla_verify_cuda takes for a call left to its defaults (schedule None:
+    pick_schedule's), for callers that report or pass the split count themselves."""
+    schedule = schedule or pick_schedule(kv_dtype, q_per_req, heads, batch)
+    return schedule, default_splits(batch, q_per_req, heads, device_index, schedule)
+
+
 def wave_splits(batch: int, q_per_req: int, heads: int, splits: int, num_sms: int,
                 schedule: str = DEFAULT_SCHEDULE) -> int:
     """The most splits (<= splits) whose grid is one wave of CTAs (one CTA per SM)."""
