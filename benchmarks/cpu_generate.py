@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +31,8 @@ from k3trt.builder.build import build_engine
 from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from record import command
+
+from harness import machine, record, write_json   # benchmarks/ (the script's folder) is on sys.path
 
 log = logging.getLogger("cpu_generate")
 
@@ -90,11 +89,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results = {"command": command(__file__),
-               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "load_average_1m": os.getloadavg()[0]},   # a shared machine's figures vary with it
-               "runs": []}
+    results = record(__file__, machine=machine("cpu"), runs=[])
     for preset in args.presets.split(","):
         max_batch = max(batches)
         engine = engine_for(preset, args.workdir, max_batch, max(256, max_batch * args.prompt_len))
@@ -115,10 +110,8 @@ def main() -> None:
                       f"{r['decode_tokens_per_s']} tok/s decode, TTFT {r['time_to_first_token_s']:.3f}s, "
                       f"accepted length {r['mean_accepted_length']}, speedup {r.get('decode_speedup', '-')}",
                       flush=True)
-    out = json.dumps(results, indent=2)
-    print(out)
-    if args.json:
-        args.json.write_text(out + "\n")
+    print(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

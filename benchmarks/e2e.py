@@ -1,10 +1,10 @@
 """End-to-end speed of the medium preset (K3's per-layer dimensions, 4 layers, 32 experts top-16)
-against its roofline, with baselines from the same run (issue #9).
+against its roofline, with baselines from the same run.
 
     PYTHONPATH=. python benchmarks/e2e.py --json $OUT/e2e.json                  # H200, ~5 min
     PYTHONPATH=. python benchmarks/e2e.py --preset tiny --device cpu --quick    # CPU smoke, seconds
 
-One process: the copy bandwidth and bf16 GEMM rate (benchmarks/ceilings.py; a crude CPU stand-in
+One process: the copy bandwidth and bf16 GEMM rate (benchmarks/harness.py; a crude CPU stand-in
 with --device cpu), then the model built on the device with random weights (init_random_ drawing
 on the device; no checkpoint on disk), then the cases, each through LLM.from_model with token-id
 prompts, greedy, EOS ignored, a fixed max_tokens, prefix caching off:
@@ -22,8 +22,9 @@ prompts, greedy, EOS ignored, a fixed max_tokens, prefix caching off:
 
 Decode figures time the decode phase only (every step after each request has its first token).
 Every case is caught on failure and the run goes on; the JSON is rewritten after each case; cases
-past --budget-s (wall time since start) are skipped and say so. The goals of issue #9 are checked
-at the end (``goals``). benchmarks/plot_e2e.py draws the JSON.
+past --budget-s (wall time since start) are skipped and say so. The speed goals are checked at the
+end (``goals``); benchmarks/roofline.py holds the roofline model, benchmarks/e2e_hf.py the
+transformers baseline.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -53,121 +51,11 @@ from k3trt.model.weights import init_random_
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 
-from drive import Progress   # benchmarks/ (the script's folder) is on sys.path
-from record import command
+from harness import Progress, cpu_ceilings, machine, measure, record, write_json  # benchmarks/ is on sys.path
+from roofline import Sizes, roofline, with_roofline
 
 log = logging.getLogger("e2e")
 VOCAB = 129408          # the tokenizer's vocabulary rounded up, as make_checkpoint makes it
-
-
-# ------------------------------------------------------------------------------ the roofline
-@dataclass(frozen=True)
-class Sizes:
-    """What one forward reads, from the model's parameters (main layers only; no MTP layer)."""
-    dense_params: int        # everything but routed experts and the embedding (lm_head included)
-    dense_bytes: int
-    embed_row_bytes: int
-    expert_params: int       # one routed expert of one MoE layer
-    expert_bytes: int
-    moe_layers: int
-    num_experts: int
-    top_k: int
-    mla_layers: int
-    kda_layers: int
-    heads: int
-    mla_row_bytes: int       # one token's MLA cache row
-    mla_score_dim: int       # kv_lora + rope: the absorbed score dot product
-    kv_lora: int
-    qk_head_dim: int         # prefill's naive attention
-    v_head_dim: int
-    kda_heads: int
-    kda_dim: int
-    kda_state_bytes: int     # one sequence's fp32 state of one KDA layer (+ conv window)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, kv_dtype: torch.dtype) -> "Sizes":
-        cfg: ModelConfig = model.cfg
-        dense_p = dense_b = exp_p = exp_b = 0
-        for name, p in model.named_parameters():
-            parts = name.split(".")
-            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= cfg.num_hidden_layers:
-                continue                                   # MTP layers: not in a plain step
-            if name.endswith("embed_tokens.weight"):
-                continue
-            if ".mlp.experts." in name:
-                exp_p += p.numel() // cfg.num_experts
-                exp_b += p.numel() * p.element_size() // cfg.num_experts
-            else:
-                dense_p += p.numel()
-                dense_b += p.numel() * p.element_size()
-        moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-        la, itemsize = cfg.linear_attn_config, torch.empty(0, dtype=kv_dtype).element_size()
-        act = next(model.parameters()).element_size()
-        conv = 3 * la.num_heads * la.head_dim * (la.short_conv_kernel_size - 1) * act
-        return cls(dense_p, dense_b, cfg.hidden_size * act, exp_p // max(moe, 1), exp_b // max(moe, 1), moe,
-                   cfg.num_experts, cfg.num_experts_per_token, len(cfg.mla_layers), len(cfg.kda_layers),
-                   cfg.num_attention_heads, cfg.mla_cache_dim * itemsize, cfg.mla_cache_dim, cfg.kv_lora_rank,
-                   cfg.qk_head_dim, cfg.v_head_dim, la.num_heads, la.head_dim,
-                   la.num_heads * la.head_dim * la.head_dim * 4 + conv)
-
-
-def roofline(sz: Sizes, *, seqs: int, q: int, ctx: float, copy_gbps: float, gemm_tflops: float,
-             save_states: bool = False, prefill: bool = False) -> dict:
-    """The floor of one forward over `seqs` sequences of `q` new tokens each after `ctx` cached ones.
-
-    bytes: every weight the step touches, read once: the non-expert weights (lm_head included; of the
-      embedding only the T rows looked up) and, per MoE layer, the distinct experts the T = seqs·q
-      tokens route to, expected under uniform routing: E·(1 − (1 − k/E)^T) (k at T = 1, all E by
-      T ≈ 8 for 16 of 32); plus the caches: each sequence's MLA rows read (ctx + q, per MLA layer)
-      and its q rows written, each sequence's KDA state (fp32) and conv window read and written
-      once per KDA layer (q more states written when a verify step saves them for rollback).
-    flops: 2 · (non-expert + k experts' params) per token, plus attention: decode/verify absorbed
-      MLA (2·H·(ctx+q)·(kv_lora + rope + kv_lora) per token), naive causal MLA for a prefill
-      (2·H·(ctx + q/2)·(qk_head_dim + v_head_dim) per token), KDA's recurrence (≈ 8·H·dk·dv per token).
-    time: max(bytes / copy bandwidth, flops / GEMM rate); both ceilings measured in the same run.
-    """
-    T = seqs * q
-    experts = sz.num_experts * (1 - (1 - sz.top_k / sz.num_experts) ** T)
-    weights = sz.dense_bytes + T * sz.embed_row_bytes + sz.moe_layers * experts * sz.expert_bytes
-    kv = sz.mla_layers * seqs * ((ctx + q) * sz.mla_row_bytes + q * sz.mla_row_bytes) \
-        + sz.kda_layers * seqs * sz.kda_state_bytes * (2 + (q if save_states else 0))
-    nbytes = weights + kv
-    span = ctx + (q / 2 if prefill else q)
-    attn = sz.mla_layers * 2 * sz.heads * span * ((sz.qk_head_dim + sz.v_head_dim) if prefill
-                                                  else (sz.mla_score_dim + sz.kv_lora))
-    flops = T * (2 * (sz.dense_params + sz.moe_layers * sz.top_k * sz.expert_params) + attn
-                 + sz.kda_layers * 8 * sz.kda_heads * sz.kda_dim ** 2)
-    t_bytes, t_flops = nbytes / (copy_gbps * 1e9), flops / (gemm_tflops * 1e12)
-    return {"bytes": int(nbytes), "weight_bytes": int(weights), "cache_bytes": int(kv), "flops": int(flops),
-            "experts_per_moe_layer": round(experts, 2), "bytes_ms": round(t_bytes * 1e3, 4),
-            "flops_ms": round(t_flops * 1e3, 4), "roofline_ms": round(max(t_bytes, t_flops) * 1e3, 4),
-            "bound": "memory" if t_bytes >= t_flops else "compute"}
-
-
-# ------------------------------------------------------------------------------ ceilings
-def measure_ceilings(device: torch.device) -> dict:
-    if device.type == "cuda":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from ceilings import measure
-        return measure()
-    # CPU stand-in for the smoke run: a 64 MB copy and a 512³ fp32 product, host-timed
-    src = torch.rand(16 << 20)
-    dst = torch.empty_like(src)
-    gbps = 2 * src.numel() * 4 / _best_s(lambda: dst.copy_(src)) / 1e9
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    tflops = 2 * 512 ** 3 / _best_s(lambda: a @ b) / 1e12
-    return {"device": platform.processor() or platform.machine(), "copy_gbps": round(gbps, 1),
-            "gemm_tflops": round(tflops, 3), "note": "CPU stand-in (host timer), not ceilings.py"}
-
-
-def _best_s(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 # ------------------------------------------------------------------------------ one engine
@@ -231,9 +119,7 @@ class Run:
 
     def save(self) -> None:
         self.doc["elapsed_s"] = round(self.elapsed(), 1)
-        if self.args.json:
-            self.args.json.parent.mkdir(parents=True, exist_ok=True)
-            self.args.json.write_text(json.dumps(self.doc, indent=2) + "\n")
+        write_json(self.args.json, self.doc)
 
     def case(self, name: str, fn, **meta) -> dict | None:
         if self.elapsed() > self.args.budget_s:
@@ -257,14 +143,6 @@ class Run:
         self.doc["cases"].append(row)
         self.save()
         return row
-
-
-def with_roofline(row: dict, sz: Sizes, ceil: dict, *, seqs: int, q: int, ctx: float, **kw) -> dict:
-    r = roofline(sz, seqs=seqs, q=q, ctx=ctx, copy_gbps=ceil["copy_gbps"], gemm_tflops=ceil["gemm_tflops"], **kw)
-    row["roofline"] = r
-    if row.get("step_ms"):
-        row["ratio"] = round(row["step_ms"] / r["roofline_ms"], 3)
-    return row
 
 
 def free(llm: LLM | None) -> None:
@@ -370,27 +248,11 @@ def plugin_kernels_off():
 
 
 # ------------------------------------------------------------------------------ transformers
-def hf_config(cfg: ModelConfig):
-    """DeepSeek-V3 at K3's dimensions (transformers has no K3; its experts work at the full hidden
-    size, K3's latent ones at routed_expert_hidden_size, and its attention is MLA in every layer)."""
-    from transformers import DeepseekV3Config
-    return DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-        n_shared_experts=cfg.num_shared_experts, n_routed_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.num_experts_per_token, n_group=cfg.num_expert_group, topk_group=cfg.topk_group,
-        routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=cfg.first_k_dense_replace,
-        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, max_position_embeddings=8192,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-
-
 def hf_cases(run: Run, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
     a = run.args
     try:
-        import transformers
-        from transformers import DeepseekV3ForCausalLM
+        import e2e_hf
+        import transformers  # optional: the baseline is skipped without it
     except Exception as e:
         why = f"transformers does not import: {type(e).__name__}: {e}"
         log.warning("hf baseline skipped: %s", why)
@@ -401,51 +263,21 @@ def hf_cases(run: Run, cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
     if run.elapsed() > a.budget_s:
         run.doc["hf_skipped"] = f"past the {a.budget_s}s budget"
         return
-    model = None
     try:
-        t0 = time.perf_counter()
-        hcfg = hf_config(cfg)
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                torch.manual_seed(0)
-                model = DeepseekV3ForCausalLM(hcfg).eval()
-        finally:
-            torch.set_default_dtype(old)
-        run.doc["hf_model"] = {"params": sum(p.numel() for p in model.parameters()),
-                               "build_s": round(time.perf_counter() - t0, 2),
-                               "config": json.loads(hcfg.to_json_string(use_diff=True))}
+        model, info = e2e_hf.build(cfg, device, dtype)
+        run.doc["hf_model"] = info
         log.info("hf DeepseekV3ForCausalLM: %.2fB parameters", run.doc["hf_model"]["params"] / 1e9)
     except Exception as e:
         run.doc["hf_skipped"] = f"building DeepseekV3ForCausalLM failed: {type(e).__name__}: {e}"
         log.error("hf baseline: %s", run.doc["hf_skipped"])
         return
-
-    def gen(ids, n):
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            assert out.shape[1] == ids.shape[1] + n, out.shape
-            return time.perf_counter() - t0
-
     for b in a.hf_batches:
-        def hf(b=b):
+        def hf(b=b, model=model):
             ids = torch.tensor(prompts(b, a.prompt_len, cfg.vocab_size, b), device=device)
-            gen(ids[:, :16], 2)                                       # warm-up
-            t1, tn = gen(ids, 1), gen(ids, a.hf_tokens)
-            dec = b * (a.hf_tokens - 1) / (tn - t1) if tn > t1 else None
-            return {"new_tokens": a.hf_tokens, "wall_s": round(tn, 4), "tokens_per_s": round(b * a.hf_tokens / tn, 2),
-                    "decode_tokens_per_s": round(dec, 2) if dec else None,
-                    "step_ms": round((tn - t1) * 1e3 / (a.hf_tokens - 1), 4) if dec else None,
-                    "note": "tokens_per_s includes the prompt's prefill; decode_* from generate(n) - generate(1)"}
+            return e2e_hf.time_generate(model, ids, a.hf_tokens)
         run.case(f"hf generate b{b}", hf, kind="hf", batch=b, transformers=transformers.__version__)
     del model
     free(None)
-
 
 # ------------------------------------------------------------------------------ report
 def goals(cases: list[dict]) -> dict:
@@ -495,13 +327,6 @@ def print_table(doc: dict) -> None:
           "/ GEMM); ratio: measured / roofline; prefill: whole run)", flush=True)
 
 
-def _version(mod: str) -> str | None:
-    try:
-        return __import__(mod).__version__
-    except Exception:
-        return None
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="medium")
@@ -543,16 +368,12 @@ def main(argv: list[str] | None = None) -> dict:
     args.dtype = "bf16" if device.type == "cuda" else "fp32"
     dtype = BuildConfig(dtype=args.dtype).torch_dtype
 
-    doc = {"command": command(__file__, argv),
-           "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                       (platform.processor() or platform.machine()), "torch": torch.__version__,
-                       "triton": _version("triton"), "cuda": torch.version.cuda, "python": platform.python_version(),
-                       "cores": os.cpu_count()},
-           "preset": args.preset, "dtype": args.dtype,
-           "settings": {k: v for k, v in vars(args).items() if k != "json"}, "cases": [], "errors": []}
+    doc = record(__file__, argv, machine=machine(device),
+                     preset=args.preset, dtype=args.dtype,
+                     settings={k: v for k, v in vars(args).items() if k != "json"}, cases=[], errors=[])
     run = Run(args, doc)
     log.info("ceilings ...")
-    doc["machine"]["ceilings"] = ceil = measure_ceilings(device)
+    doc["machine"]["ceilings"] = ceil = measure() if device.type == "cuda" else cpu_ceilings()
     log.info("ceilings: copy %s GB/s, GEMM %s TFLOP/s", ceil["copy_gbps"], ceil["gemm_tflops"])
     run.save()
 

@@ -9,7 +9,6 @@ Prints ms per call (median of CUDA-event timings) and the max difference to the 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -17,8 +16,7 @@ import torch.nn.functional as F
 
 from k3trt.plugins.kda import kda_chunked
 
-from ceilings import median_ms   # benchmarks/ (the script's folder) is on sys.path
-from record import command
+from harness import device_name, median_ms, record, write_json   # benchmarks/ (the script's folder) is on sys.path
 
 
 def main() -> None:
@@ -48,10 +46,7 @@ def main() -> None:
                "max_diff_out": (o - ref[0]).abs().max().item(), "max_diff_state": (s - ref[1]).abs().max().item()}
         rows.append(row)
         print(row, flush=True)
-    doc = {"command": command(__file__),
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=1))
+    write_json(args.json, record(__file__, device=device_name(), torch=torch.__version__, rows=rows))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from ceilings import measure
-from record import command
+from harness import measure
+from harness import command
 from mla_cuda_check import compare, interleaved_graph_us
 from mla_verify import check_resident, make_cache, parse_cells
 

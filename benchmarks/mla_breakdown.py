@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from ceilings import measure
-from record import command
+from harness import measure
+from harness import command
 from mla_verify import capture_graph, check_resident, make_cache, parse_cells, replay_us
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from record import command  # noqa: E402
+from harness import command  # noqa: E402
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
 FP8 = torch.float8_e4m3fn
@@ -470,7 +470,7 @@ def main(argv=None):
     # 3. ceilings
     banner("3. ceilings")
     try:
-        from ceilings import measure
+        from harness import measure
         ceil = measure()
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ceilings import measure
+from harness import measure
 from mla_verify import D_QK, D_V, Q_ROWS, make_cache, parse_cells
 
 

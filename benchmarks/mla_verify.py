@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from ceilings import measure
-from record import command
+from harness import measure
+from harness import command
 
 Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
 FP8 = torch.float8_e4m3fn

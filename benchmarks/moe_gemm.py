@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import sys
 from pathlib import Path
@@ -26,12 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd  # noqa: E402
 
-from ceilings import measure, median_ms  # noqa: E402
-from record import command  # noqa: E402
+from harness import measure, median_ms, print_table, record, write_json  # noqa: E402
 
 log = logging.getLogger("moe_gemm")
 E, TOPK = 32, 16
 MATRICES = {"gate_up": (6144, 3584), "down": (3584, 3072)}
+COLUMNS = [("tokens", "tokens", 6, "d"), ("matrix", "matrix", 8, "s"), ("experts", "active_experts", 7, "d"),
+           ("roof ms", "roofline_ms", 8, ".4f"), ("torch ms", "torch_ms", 9, ".4f"), ("frac", "torch_frac", 5, ".2f"),
+           ("picked", "picked_ms", 8, ".4f"), ("frac", "picked_frac", 5, ".2f"), ("best ms", "best_ms", 8, ".4f"),
+           ("frac", "best_frac", 5, ".2f"), ("best config (BM, BN, BK, warps, stages)", "best_config", 42, "s")]
 
 
 def configs(rows_per_expert: float) -> list[tuple[int, int, int, int, int]]:
@@ -89,15 +91,9 @@ def main() -> None:
     log.info("ceilings: %s", ceil)
     g = torch.Generator().manual_seed(0)
     rows = [case(t, m, ceil, g) for t in map(int, args.tokens.split(",")) for m in MATRICES]
-    print(f"\n{ceil['device']}: copy {ceil['copy_gbps']:.0f} GB/s, bf16 GEMM {ceil['gemm_tflops']:.0f} TFLOP/s")
-    print(f"{'tokens':>6} {'matrix':>8} {'experts':>7} {'roof ms':>8} {'torch ms':>9} {'frac':>5} "
-          f"{'picked':>8} {'frac':>5} {'best ms':>8} {'frac':>5}  best config (BM, BN, BK, warps, stages)")
-    for r in rows:
-        print(f"{r['tokens']:>6} {r['matrix']:>8} {r['active_experts']:>7} {r['roofline_ms']:>8.4f} "
-              f"{r['torch_ms']:>9.4f} {r['torch_frac']:>5.2f} {r['picked_ms']:>8.4f} {r['picked_frac']:>5.2f} "
-              f"{r['best_ms']:>8.4f} {r['best_frac']:>5.2f}  {r['best_config']}")
-    if args.json:
-        args.json.write_text(json.dumps({"command": command(__file__), "ceilings": ceil, "rows": rows}, indent=1))
+    print_table("moe_gemm: one MoE layer's routed-expert GEMMs, top-16 of 32 experts", ceil, COLUMNS, rows,
+                "frac: roofline / time; picked: the config the op takes; best: the sweep's fastest")
+    write_json(args.json, record(__file__, ceilings=ceil, rows=rows))
 
 
 if __name__ == "__main__":

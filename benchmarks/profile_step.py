@@ -17,7 +17,6 @@ For the roofline of these steps see benchmarks/e2e.py; this script only says whe
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
@@ -34,8 +33,7 @@ from k3trt.runtime.engine import Seq, TorchSession, make_batch
 from k3trt.runtime.graphs import GraphSession
 from k3trt.runtime.kv_cache import plan_cache
 
-from ceilings import median_ms   # benchmarks/ (the script's folder) is on sys.path
-from record import command
+from harness import device_name, median_ms, record, write_json   # benchmarks/ (the script's folder) is on sys.path
 
 log = logging.getLogger("profile_step")
 VOCAB = 129408
@@ -162,8 +160,7 @@ def main() -> None:
     model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
     init_random_(model, 0, device="cuda")
     log.info("%s model on the GPU in %.1fs", args.preset, time.perf_counter() - t0)
-    doc = {"command": command(__file__),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    doc = record(__file__, device=device_name(), torch=torch.__version__, rows=[])
     for b in [int(x) for x in args.batches.split(",")]:
         try:
             r = profile(model, b, args.q, args.ctx, args.top)
@@ -171,8 +168,7 @@ def main() -> None:
             log.exception("batch %d failed", b)
             r = {"batch": b, "error": f"{type(e).__name__}: {e}"}
         doc["rows"].append(r)
-        if args.json:
-            args.json.write_text(json.dumps(doc, indent=1))
+        write_json(args.json, doc)
         if "error" in r:
             continue
         print(f"\nbatch {b} q {args.q} ctx {args.ctx}: replay {r['replay_ms']} ms, step {r['step_ms']} ms "
@@ -183,8 +179,7 @@ def main() -> None:
     if args.prefill:
         r = profile_prefill(model, args.prefill, args.top)
         doc["prefill"] = r
-        if args.json:
-            args.json.write_text(json.dumps(doc, indent=1))
+        write_json(args.json, doc)
         print(f"\nprefill {args.prefill} tokens: {r['wall_ms']} ms wall, profiled kernels {r['profiled_kernel_ms']} ms")
         for name, ms, n in r["top_kernels"]:
             print(f"  {ms:9.4f} ms {n:5d}x  {name}")

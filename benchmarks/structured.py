@@ -32,7 +32,7 @@ tokens/s loss of guided against unconstrained, and where the guided step's time 
   apply   Grammars.apply host time (apply_hidden: the part of it under the forward, as for fill),
           and on CUDA its GPU time (events)
   launch  host time of the forward call (LLM._forward), and on CUDA the forward's GPU time
-On CUDA the run also measures the copy bandwidth and bf16 GEMM rate (benchmarks/ceilings.py).
+On CUDA the run also measures the copy bandwidth and bf16 GEMM rate (benchmarks/harness.py).
 Progress is logged; with --json the file is rewritten after every batch (a killed run keeps its rows).
 
 Reading it: with random weights, unconstrained outputs do not repeat, so n-gram gets no drafts for
@@ -45,12 +45,8 @@ masking adds to a step.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,8 +58,9 @@ from k3trt.model.make_checkpoint import VOCAB_MULTIPLE, make_checkpoint
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 
-from drive import Progress   # benchmarks/ (the script's folder) is on sys.path
-from record import command
+from harness import Progress, record, version, write_json
+from harness import machine as machine_info
+from harness import measure as measure_ceilings   # benchmarks/ (the script's folder) is on sys.path
 
 log = logging.getLogger("structured")
 
@@ -253,12 +250,6 @@ def measure(llm: LLM, probe: Probe | None, prompts: list[list[int]], params: Sam
             "mean_accepted_length": round((accepted + vsteps) / vsteps, 3) if vsteps else None, **extra}
 
 
-def ceilings() -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ceilings import measure as measure_ceilings
-    return measure_ceilings()
-
-
 # per preset: (max_tokens, reps, KV cache GiB on CUDA); medium fits one ~4-minute device command
 DEFAULTS = {"tiny": (64, 2, 4), "small": (64, 2, 4), "medium": (48, 3, 8)}
 
@@ -297,16 +288,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.speculative.split(",")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    import xgrammar
-    machine = {"device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
-               "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-               "xgrammar": getattr(xgrammar, "__version__", None) or _dist_version("xgrammar"),
-               "python": platform.python_version(), "load_average_1m": os.getloadavg()[0]}
+    machine = {**machine_info(args.device), "xgrammar": version("xgrammar")}
     if cuda and not args.no_ceilings:
-        machine["ceilings"] = ceilings()
-    results = {"command": command(__file__), "machine": machine,
-               "schema": GUIDED, "preset": args.preset, "dtype": dtype, "cuda": cuda, "graphs": args.graphs,
-               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "reps": args.reps, "runs": []}
+        machine["ceilings"] = measure_ceilings()
+    results = record(__file__, machine=machine, schema=GUIDED, preset=args.preset, dtype=dtype, cuda=cuda,
+                     graphs=args.graphs, prompt_len=args.prompt_len, max_tokens=args.max_tokens, reps=args.reps,
+                     runs=[])
     log.info("device: %s (%s cores, torch %s, xgrammar %s)%s", machine["device"], machine["cores"], machine["torch"],
              machine["xgrammar"], f"; copy {machine['ceilings']['copy_gbps']} GB/s, bf16 GEMM "
              f"{machine['ceilings']['gemm_tflops']} TFLOP/s" if "ceilings" in machine else "")
@@ -376,8 +363,7 @@ def main() -> None:
                      u["tokens_per_s"], u["step_ms"], g["tokens_per_s"], g["step_ms"], row["tokens_per_s_loss_pct"],
                      g["fill_ms"], g["hidden_ms"], g["commit_ms"], g["apply_ms"], time.perf_counter() - t_start)
             results["graph_stats"][mode] = llm.stats()["graphs"]
-            if args.json:                                        # as it goes: a killed run keeps its rows
-                write_json(args.json, results)
+            write_json(args.json, results)                       # as it goes: a killed run keeps its rows
         probe.close()
         llm.close()
         del llm, probe
@@ -385,23 +371,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     results["wall_s"] = round(time.perf_counter() - t_start, 1)
     print_table(results)
-    if args.json:
-        write_json(args.json, results)
-
-
-def write_json(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
+    write_json(args.json, results)
 
 
 def print_table(results: dict) -> None:

@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from ceilings import measure  # noqa: E402
-from record import command  # noqa: E402
+from harness import measure  # noqa: E402
+from harness import command  # noqa: E402
 
 # (the kernels' own helpers: descriptors, the fp8 conversion, the wgmma wrappers and fences)
 MLA_CUDA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "k3trt", "plugins",

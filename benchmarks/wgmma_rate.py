@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k3trt", "plugins", "mla_cuda"))
 from gen_wgmma import wrapper  # noqa: E402
 
-from ceilings import measure  # noqa: E402
-from record import command  # noqa: E402
+from harness import measure  # noqa: E402
+from harness import command  # noqa: E402
 
 SHAPES = [(48, True), (64, True), (96, True), (128, True), (256, True), (48, False), (64, False)]
 ITERS = 4096
