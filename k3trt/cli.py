@@ -64,7 +64,8 @@ def _int_list(ctx, param, value: str | None) -> list[int] | None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--kv-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32", "fp8"]), default="auto",
               show_default=True, help="MLA cache dtype (auto: the model dtype); fp8 halves the "
-              "cache's memory but, on the H200, does not make verification faster (README)")
+              "cache's memory and is the faster path from batch 32 at 12 local heads (on the H200, "
+              "1.5-1.6x the bf16 kernel's speed from 8K context; README)")
 @click.option("--block-size", type=click.IntRange(min=16), default=64, show_default=True)
 @click.option("--target", default=None, help="GPU target for engine backends, e.g. sm90, sm120")
 @click.option("--check-onnx", is_flag=True, help="run every exported graph in onnxruntime against the torch model (fp32)")
