@@ -1,5 +1,5 @@
 """CPU generation throughput of the torch runtime: a regression reference (the GPU figures come from
-the GPU issue). Random-weight checkpoints, greedy decoding with EOS ignored, token-id prompts.
+benchmarks/e2e.py). Random-weight checkpoints, greedy decoding with EOS ignored, token-id prompts.
 
     PYTHONPATH=. python benchmarks/cpu_generate.py [--presets tiny,small] [--batches 1,8,32]
         [--prompt-len 64] [--max-tokens 32] [--speculative none,ngram,self] [--spec-tokens 3]
