@@ -2,8 +2,8 @@
 
 import pytest
 
-from k3trt.builder.capacities import (Capacities, CapacityError, parse_capacity_list, pick,
-                                      power_of_two_capacities, split_prefill, validate)
+from k3trt.engine.capacities import (Capacities, CapacityError, parse_capacity_list, pick, power_of_two_capacities,
+                                     split_prefill, validate)
 
 
 def test_spec_vector():
