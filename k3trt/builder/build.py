@@ -50,7 +50,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", 
                    "special_tokens_map.json")
 WEIGHT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json")
 # the parts of k3trt whose code shapes an exported graph or engine (their digest is in every content key)
-CODE_PACKAGES = ("__init__.py", "config.py", "builder", "model", "plugins")
+CODE_PACKAGES = ("__init__.py", "config.py", "engine", "builder", "model", "plugins")
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
