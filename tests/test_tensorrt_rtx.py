@@ -313,8 +313,8 @@ def test_padded_verify_step_equals_the_unpadded_model(tiny_model):
         torch.testing.assert_close(eng_caches[f"mla_cache_{layer}"], ref_caches[f"mla_cache_{layer}"])
 
 
-def test_prefill_chunks_equal_one_model_prefill(tiny_model):
-    """A fresh 7-token sequence and a 5-token continuation run as exact chunks (4+2+1, 4+1) of
+def test_prefill_slices_equal_one_model_prefill(tiny_model):
+    """A fresh 7-token sequence and a 5-token continuation run as exact slices (4+2+1, 4+1) of
     one-sequence engines, the fresh slot zeroed first: last-token logits and caches match."""
     cfg, model = tiny_model
     caps = Capacities((1,), (1, 2, 4), 3)
@@ -327,14 +327,14 @@ def test_prefill_chunks_equal_one_model_prefill(tiny_model):
     ref_caches = _caches(cfg, specs[4], 8, 4)
     eng_caches = {k: v.clone() for k, v in ref_caches.items()}
     want = _reference(model, cfg, batch, ref_caches, specs[4])[batch.logit_rows]
-    chunks = prefill_slices(batch, caps.prefill)
-    assert [(c.seq, c.start, c.capacity, c.last) for c in chunks] == \
+    slices = prefill_slices(batch, caps.prefill)
+    assert [(c.seq, c.start, c.capacity, c.last) for c in slices] == \
         [(0, 0, 4, False), (0, 4, 2, False), (0, 6, 1, True), (1, 0, 4, False), (1, 4, 1, True)]
     for layer in cfg.kda_layers:        # the session zeroes a fresh sequence's slot
         eng_caches[f"kda_state_{layer}"][2] = 0
         eng_caches[f"kda_conv_{layer}"][2] = 0
     last = {}
-    for c in chunks:
+    for c in slices:
         x = prefill_inputs(batch, c, specs[c.capacity])
         logits = _engine(model, cfg, specs[c.capacity], x, eng_caches)
         if c.last:
