@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from k3trt.builder.capacities import Capacities
-from k3trt.builder.engine_dir import BuildConfig
+from k3trt.engine.build_config import BuildConfig
+from k3trt.engine.capacities import Capacities
 from k3trt.config import ModelConfig
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config

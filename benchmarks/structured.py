@@ -88,7 +88,7 @@ def engine_for(work: Path, dtype: str, max_batch: int, max_num_tokens: int) -> P
 
 def model_for(preset: str, device: str, dtype: str, work: Path, seed: int = 0):
     """(model, tokenizer dir): a preset built on `device` with random weights drawn there."""
-    from k3trt.builder.engine_dir import DTYPES
+    from k3trt.engine.build_config import DTYPES
     from k3trt.config import ModelConfig
     from k3trt.model.loader import build_model
     from k3trt.model.presets import preset_config
@@ -308,8 +308,8 @@ def main() -> None:
         def make_llm(mode: str, k: int | None) -> LLM:
             return LLM(engine, device=args.device, verify_checksums=False, speculative=mode, spec_tokens=k, **options)
     else:
-        from k3trt.builder.capacities import Capacities
-        from k3trt.builder.engine_dir import BuildConfig
+        from k3trt.engine.build_config import BuildConfig
+        from k3trt.engine.capacities import Capacities
         model, tok_dir = model_for(args.preset, args.device, dtype, args.workdir)
         build = BuildConfig(dtype=dtype, block_size=64, max_num_tokens=max_num_tokens,
                             max_seq_len=args.prompt_len + args.max_tokens + 64)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from k3trt import __version__
+from k3trt.engine.capacities import CapacityError, parse_capacity_list
 from k3trt.model.presets import PRESETS
 
 
@@ -39,16 +40,13 @@ def make_checkpoint_cmd(preset: str, output: str, seed: int, quant: str, device:
     click.echo(str(path))
 
 
-def _int_list(ctx, param, value: str | None) -> list[int] | None:
+def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None
     try:
-        out = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
-    if not out or any(x <= 0 for x in out):
-        raise click.BadParameter(f"{value!r}: capacities must be positive integers")
-    return out
+        return parse_capacity_list(value, "verify")
+    except CapacityError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @main.command("build")
@@ -56,7 +54,8 @@ def _int_list(ctx, param, value: str | None) -> list[int] | None:
 @click.option("--output", "-o", type=click.Path(file_okay=False), required=True, help="engine directory to write")
 @click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt", "tensorrt-rtx"]), default="auto",
               show_default=True)
-@click.option("--capacities", callback=_int_list, help="verify batch capacities, e.g. 1,2,4,8 (default: powers of two)")
+@click.option("--capacities", callback=_capacity_list,
+              help="verify batch capacities, e.g. 1,2,4,8 (default: powers of two)")
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
               help="largest prefill token capacity")
 @click.option("--spec-tokens", type=click.IntRange(0, 7), default=3, show_default=True,

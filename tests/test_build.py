@@ -24,12 +24,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import k3trt.builder.build as build_mod
 import k3trt.builder.backends as backends
+import k3trt.builder.build as build_mod
 import k3trt.builder.rank as rank
 import k3trt.builder.tensorrt as trt
+import k3trt.engine.backends as registry
 from k3trt.builder.build import build_engine
-from k3trt.builder.engine_dir import EngineDirBusy, EngineDirError, build_lock, read_engine_dir
+from k3trt.engine.engine_dir import EngineDirError, read_engine_dir
+from k3trt.engine.writer import EngineDirBusy, build_lock
 from k3trt.cli import main as cli
 
 needs_rtx = pytest.mark.skipif(not __import__("importlib").util.find_spec("tensorrt_rtx_bindings"),
@@ -139,8 +141,8 @@ class FakeEngines:
         self.loads = 0
         monkeypatch.setattr(rank, "_export", self.export)
         monkeypatch.setattr(rank, "build_engine", self.engine)
-        monkeypatch.setattr(rank, "load_backend", lambda name: backends.Backend(name, None, "fake-1.0"))
-        monkeypatch.setattr(backends, "installed_backends", lambda: ["tensorrt", "tensorrt-rtx"])
+        monkeypatch.setattr(rank, "load_backend", lambda name: registry.Backend(name, None, "fake-1.0"))
+        monkeypatch.setattr(registry, "installed_backends", lambda: ["tensorrt", "tensorrt-rtx"])
         monkeypatch.setattr(rank.ModelSource, "load", lambda source: self.load())
 
     def load(self):
@@ -294,15 +296,15 @@ def test_cli_refuses_a_checkpoint_that_is_not_k3(backend, tmp_path, no_long_work
 
 
 @pytest.mark.parametrize("args, exit_code, message", [
-    (["--capacities", "4,2"], 1, "must be distinct and ascending"),
-    (["--capacities", "1,x"], 2, "not a comma-separated list of integers"),
-    (["--capacities", "0,1"], 2, "capacities must be positive integers"),
+    (["--capacities", "4,2"], 2, "must be distinct and ascending"),
+    (["--capacities", "1,x"], 2, "expected comma-separated integers like 1,2,4,8"),
+    (["--capacities", "0,1"], 2, "[0] are not integers in 1.."),
     (["--capacities", "64", "--max-num-tokens", "8"], 1, "raise max_num_tokens or lower the capacities"),
     (["--backend", "tensorrt-rtx", "--target", "sm120", "--max-num-tokens", "128"], 1,
      "prefill capacities [128] exceed 64"),
 ])
 def test_cli_refuses_invalid_capacities(args, exit_code, message, tiny_ckpt, tmp_path, no_long_work):
-    if "tensorrt-rtx" in args and "tensorrt-rtx" not in backends.installed_backends():
+    if "tensorrt-rtx" in args and "tensorrt-rtx" not in registry.installed_backends():
         pytest.skip("TensorRT-RTX not installed")
     r = _cli([str(tiny_ckpt), "-o", str(tmp_path / "e"), *args])
     assert r.exit_code == exit_code and message in r.output, r.output
@@ -322,7 +324,7 @@ def test_cli_refuses_targets_the_backend_cannot_build(args, message, tiny_ckpt, 
 
 
 def test_cli_refuses_an_uninstalled_backend(tiny_ckpt, tmp_path, no_long_work, monkeypatch):
-    monkeypatch.setattr(backends, "installed_backends", lambda: [])
+    monkeypatch.setattr(registry, "installed_backends", lambda: [])
     for backend in ("tensorrt", "tensorrt-rtx"):
         r = _cli([str(tiny_ckpt), "-o", str(tmp_path / "e"), "--backend", backend, "--target", "sm120"])
         assert r.exit_code == 1 and f"backend '{backend}' is not installed; install it with" in r.output, r.output
@@ -389,7 +391,7 @@ def test_the_torch_runtime_refuses_the_rtx_engine_dir_with_the_reason(rtx_engine
     from k3trt.runtime.llm import LLM
 
     out = rtx_engine[0]
-    reason = backends.runnable_here("tensorrt-rtx", "sm120")
+    reason = registry.runnable_here("tensorrt-rtx", "sm120")
     with pytest.raises(EngineDirError, match="built for the 'tensorrt-rtx' backend \\(target sm120\\)") as e:
         LLM(out)
     assert (reason or "could run it") in str(e.value) and "--backend torch" in str(e.value)
@@ -410,12 +412,12 @@ def test_what_each_machine_is_told(rtx_engine, monkeypatch):
     for gpu, message in ((None, "it has no CUDA GPU"),
                          ("sm90", "its GPU is sm90, and TensorRT-RTX runs only on sm75, sm80"),
                          ("sm89", "its GPU is sm89 and the engines were built for sm120")):
-        monkeypatch.setattr(backends, "_local_gpu_target", lambda: gpu)
+        monkeypatch.setattr(registry, "local_gpu_target", lambda: gpu)
         with pytest.raises(EngineNotRunnable, match=message):
             TrtSession(ed.rank_dir, ed.model, None, **kw)
         with pytest.raises(EngineDirError, match=f"this machine cannot run it: {message}"):
             LLM(ed.path)
-    monkeypatch.setattr(backends, "_local_gpu_target", lambda: "sm120")
+    monkeypatch.setattr(registry, "local_gpu_target", lambda: "sm120")
     with pytest.raises(EngineDirError, match="could run it, but the TensorRT session .* is not wired"):
         LLM(ed.path)
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from k3trt.builder.capacities import (Capacities, CapacityError, parse_capacity_list, pick,
-                                      power_of_two_capacities, split_prefill, validate)
+from k3trt.engine.capacities import (Capacities, CapacityError, parse_capacity_list, pick, power_of_two_capacities,
+                                     split_prefill, validate)
 
 
 def test_spec_vector():
@@ -64,3 +64,16 @@ def test_capacities_round_trip_and_checks():
         Capacities.from_dict({"verify": [1]})
     with pytest.raises(Exception):              # frozen
         caps.verify = (1,)
+
+
+def test_within_engine_options():
+    caps = Capacities.plan(max_batch=8, max_num_tokens=64, spec_tokens=3)
+    assert caps.within() == caps
+    run = caps.within(max_batch=5, max_num_tokens=16, spec_tokens=1)
+    assert run == Capacities((1, 2, 4), (1, 2, 4, 8, 16), 1)
+    with pytest.raises(CapacityError, match="engine option max_batch=0 is below the smallest built capacity 1"):
+        caps.within(max_batch=0)
+    with pytest.raises(CapacityError, match="runs 32 rows .*more than max_num_tokens \\(16\\)"):
+        caps.within(max_num_tokens=16)
+    with pytest.raises(CapacityError, match="spec_tokens"):
+        caps.within(spec_tokens=8)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from k3trt.builder.build import build_engine
-from k3trt.builder.engine_dir import FORMAT_VERSION, BuildConfig, EngineDirError, read_engine_dir
+from k3trt.engine.build_config import BuildConfig
+from k3trt.engine.engine_dir import FORMAT_VERSION, EngineDirError, read_engine_dir
 from k3trt.config import ModelConfig
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams

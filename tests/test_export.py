@@ -11,10 +11,11 @@ import torch
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime_extensions")
 
-from k3trt.builder.capacities import Capacities  # noqa: E402
-from k3trt.builder.export import StepGraph, export_mode, io_specs, model_cache  # noqa: E402
+from k3trt.builder.export import StepGraph, export_mode, model_cache  # noqa: E402
 from k3trt.builder.onnx_ops import DOMAIN, check_graph, native_lowerings, reference_outputs  # noqa: E402
-from k3trt.builder.rank import build_rank, graph_specs  # noqa: E402
+from k3trt.builder.rank import build_rank  # noqa: E402
+from k3trt.engine.capacities import Capacities  # noqa: E402
+from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs  # noqa: E402
 from k3trt.model.moe import Experts  # noqa: E402
 
 BLOCK, MAX_SEQ = 16, 60
@@ -149,7 +150,6 @@ def test_model_cache_maps_every_layer(tiny_model):
     cfg, _ = tiny_model
     spec = graph_specs(cfg, CAPS, block_size=BLOCK, max_seq_len=MAX_SEQ, dtype=torch.float32,
                        kv_dtype=torch.float32)[0]
-    from k3trt.builder.export import cache_specs
     cache = model_cache(cfg, spec, {t.name: torch.empty(0) for t in cache_specs(cfg, spec)})
     assert sorted(cache.mla) == list(cfg.mla_layers) and sorted(cache.kda) == list(cfg.kda_layers)
     assert all(c.step_state is not None for c in cache.kda.values())     # verify keeps per-row states

@@ -13,7 +13,7 @@ from k3trt.model.presets import preset_config
 from k3trt.runtime.kv_cache import BlockPool, CacheManager, CachePlan, KDASlots, plan_cache
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.request import Request, Status
-from k3trt.builder.capacities import CapacityError
+from k3trt.engine.capacities import CapacityError
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 
 BS = 16

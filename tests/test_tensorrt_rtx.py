@@ -14,15 +14,17 @@ import textwrap
 import pytest
 import torch
 
-from k3trt.builder.capacities import Capacities
-from k3trt.builder.export import StepGraph, cache_specs, export_graph, export_mode, io_specs, model_cache
-from k3trt.builder.backends import (BuildError, Backend, check_checkpoint, check_disk, check_target,
-                                    estimate_build_bytes, load_backend, preflight)
-from k3trt.builder.rank import build_rank, graph_specs
+from k3trt.builder.backends import (BuildError, check_checkpoint, check_disk, check_target, estimate_build_bytes,
+                                    preflight)
+from k3trt.builder.export import StepGraph, export_graph, export_mode, model_cache
+from k3trt.builder.rank import build_rank
 from k3trt.builder.tensorrt import BuildOptions, blocking_nodes, register_plugins
+from k3trt.engine.backends import Backend, BackendError, load_backend
+from k3trt.engine.capacities import Capacities
+from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs
 from k3trt.model.context import StepContext
 from k3trt.runtime.engine import Seq, make_batch
-from k3trt.runtime.trt_session import cache_bytes, engine_layouts, prefill_chunks, prefill_inputs, verify_inputs
+from k3trt.runtime.trt_session import cache_bytes, engine_layouts, prefill_inputs, prefill_slices, verify_inputs
 
 BLOCK, MAX_SEQ = 16, 60
 needs_rtx = pytest.mark.skipif(not __import__("importlib").util.find_spec("tensorrt_rtx_bindings"),
@@ -156,11 +158,11 @@ def test_targets(monkeypatch):
         check_target("tensorrt-rtx", None)
     with pytest.raises(BuildError, match="like sm90"):
         check_target("tensorrt-rtx", "hopper")
-    import k3trt.builder.backends as backends_mod
-    monkeypatch.setattr(backends_mod, "_local_gpu_target", lambda: None)
+    import k3trt.engine.backends as registry
+    monkeypatch.setattr(registry, "local_gpu_target", lambda: None)
     with pytest.raises(BuildError, match="has none"):
         check_target("tensorrt", "sm90")
-    monkeypatch.setattr(backends_mod, "_local_gpu_target", lambda: "sm90")
+    monkeypatch.setattr(registry, "local_gpu_target", lambda: "sm90")
     assert check_target("tensorrt", None) == "sm90"
     with pytest.raises(BuildError, match="build on a sm100 machine"):
         check_target("tensorrt", "sm100")
@@ -171,7 +173,7 @@ def test_disk_and_backend_checks(tmp_path, tiny_ckpt):
         check_disk(tmp_path / "out", 1 << 60)
     check_disk(tmp_path / "out", 1)
     assert estimate_build_bytes(100, 4) < estimate_build_bytes(100, 4, weights_as_inputs=False)
-    with pytest.raises(BuildError, match="unknown TensorRT backend"):
+    with pytest.raises(BackendError, match="unknown TensorRT backend"):
         load_backend("onnx")
     caps = Capacities((1, 2), (1, 128))
     if __import__("importlib").util.find_spec("tensorrt") is None:
@@ -311,8 +313,8 @@ def test_padded_verify_step_equals_the_unpadded_model(tiny_model):
         torch.testing.assert_close(eng_caches[f"mla_cache_{layer}"], ref_caches[f"mla_cache_{layer}"])
 
 
-def test_prefill_chunks_equal_one_model_prefill(tiny_model):
-    """A fresh 7-token sequence and a 5-token continuation run as exact chunks (4+2+1, 4+1) of
+def test_prefill_slices_equal_one_model_prefill(tiny_model):
+    """A fresh 7-token sequence and a 5-token continuation run as exact slices (4+2+1, 4+1) of
     one-sequence engines, the fresh slot zeroed first: last-token logits and caches match."""
     cfg, model = tiny_model
     caps = Capacities((1,), (1, 2, 4), 3)
@@ -325,14 +327,14 @@ def test_prefill_chunks_equal_one_model_prefill(tiny_model):
     ref_caches = _caches(cfg, specs[4], 8, 4)
     eng_caches = {k: v.clone() for k, v in ref_caches.items()}
     want = _reference(model, cfg, batch, ref_caches, specs[4])[batch.logit_rows]
-    chunks = prefill_chunks(batch, caps.prefill)
-    assert [(c.seq, c.start, c.capacity, c.last) for c in chunks] == \
+    slices = prefill_slices(batch, caps.prefill)
+    assert [(c.seq, c.start, c.capacity, c.last) for c in slices] == \
         [(0, 0, 4, False), (0, 4, 2, False), (0, 6, 1, True), (1, 0, 4, False), (1, 4, 1, True)]
     for layer in cfg.kda_layers:        # the session zeroes a fresh sequence's slot
         eng_caches[f"kda_state_{layer}"][2] = 0
         eng_caches[f"kda_conv_{layer}"][2] = 0
     last = {}
-    for c in chunks:
+    for c in slices:
         x = prefill_inputs(batch, c, specs[c.capacity])
         logits = _engine(model, cfg, specs[c.capacity], x, eng_caches)
         if c.last:

@@ -1,64 +1,26 @@
-"""Which TensorRT backend builds, and every check a TensorRT build can fail before its long work.
-
-Backends (imported lazily; neither is needed to import k3trt): ``tensorrt`` (full TensorRT >= 10.8,
-builds for the GPU it runs on) and ``tensorrt-rtx`` (TensorRT-RTX 1.7, builds ahead of time for
-RTX_TARGETS on a CPU-only machine); builder/tensorrt.py describes both and why TensorRT-RTX parses
-the native graphs. installed_backends / load_backend find and import them. The checks, in the order
-preflight runs them: the checkpoint (check_checkpoint), the backend installed, the target it can
-build for (check_target), the prefill capacities a native graph can hold (NATIVE_MAX_PREFILL), the
-disk (estimate_build_bytes, check_disk). runnable_here: whether this machine could run the engines.
+"""Every check a TensorRT build can fail before its long work, in the order preflight runs them:
+the checkpoint (check_checkpoint), the backend installed, the target it can build for
+(check_target), the prefill capacities a native graph can hold (NATIVE_MAX_PREFILL), the disk
+(estimate_build_bytes, check_disk). The backend registry itself (names, installed modules, lazy
+loading, runnable_here) is part of the engine format: k3trt/engine/backends.py;
+builder/tensorrt.py describes both backends and why TensorRT-RTX parses the native graphs.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx_bindings"}
-INSTALL = {"tensorrt": "pip install 'k3trt[tensorrt]' (tensorrt>=10.8; needs NVIDIA's package index)",
-           "tensorrt-rtx": "pip install tensorrt-rtx-cu13-libs==1.7.1.116 tensorrt-rtx-cu13-bindings==1.7.1.116"}
-RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+from k3trt.config import ConfigError, ModelConfig
+from k3trt.engine import backends as registry
+from k3trt.engine.backends import INSTALL, RTX_TARGETS
+from k3trt.engine.capacities import Capacities
+
 NATIVE_MAX_PREFILL = 64      # native graphs unroll KDA's recurrence: graph size grows with T
 
 
 class BuildError(RuntimeError):
     """A build that cannot proceed; the message says why and what to do."""
-
-
-# ------------------------------------------------------------------------------ backends
-@dataclass(frozen=True)
-class Backend:
-    name: str                        # "tensorrt" | "tensorrt-rtx"
-    trt: Any = field(repr=False)     # the imported module
-    version: str = ""
-
-    @property
-    def is_rtx(self) -> bool:
-        return self.name == "tensorrt-rtx"
-
-    @property
-    def graph_kind(self) -> str:
-        """Which exported graphs it parses: "plugin" (k3trt nodes) or "native"."""
-        return "native" if self.is_rtx else "plugin"
-
-
-def installed_backends() -> list[str]:
-    """Backends whose module can be found (without importing it)."""
-    return [name for name, mod in MODULES.items() if importlib.util.find_spec(mod) is not None]
-
-
-def load_backend(name: str) -> Backend:
-    if name not in MODULES:
-        raise BuildError(f"unknown TensorRT backend {name!r}; choose one of {sorted(MODULES)}")
-    try:
-        trt = importlib.import_module(MODULES[name])
-    except ImportError as e:
-        raise BuildError(f"backend {name!r} is not installed ({e}); install it with: {INSTALL[name]}") from None
-    return Backend(name, trt, getattr(trt, "__version__", "?"))
 
 
 # ------------------------------------------------------------------------------ checks before work
@@ -82,7 +44,7 @@ def check_target(backend: str, target: str | None) -> str | None:
                              "(datacenter GPUs such as sm90 need --backend tensorrt or torch)")
         return t
     if backend == "tensorrt":
-        local = _local_gpu_target()
+        local = registry.local_gpu_target()
         if local is None:
             raise BuildError("full TensorRT builds on the GPU it targets and this machine has none; "
                              "build there, or use --backend tensorrt-rtx --target sm120 for an RTX GPU")
@@ -92,39 +54,8 @@ def check_target(backend: str, target: str | None) -> str | None:
     raise BuildError(f"check_target: {backend!r} is not a TensorRT backend")
 
 
-def runnable_here(backend: str, target: str | None) -> str | None:
-    """None if this machine could run `backend` engines built for `target`, else why not (one
-    clause, for messages). TensorRT-family engines run only on the GPU architecture they were
-    built for; TensorRT-RTX runs only on its RTX targets (on SM90, e.g. an H200, it refuses to
-    deserialize: "compute capability 9.0 ... not supported")."""
-    local = _local_gpu_target()
-    if backend == "tensorrt-rtx" and local is not None and local not in RTX_TARGETS:
-        return (f"its GPU is {local}, and TensorRT-RTX runs only on {', '.join(RTX_TARGETS)} "
-                "(datacenter GPUs such as sm90 need --backend tensorrt or torch)")
-    if local is None:
-        return "it has no CUDA GPU (TensorRT engines run on the GPU they were built for)"
-    if target is not None and local != target:
-        return f"its GPU is {local} and the engines were built for {target} (an engine runs only on its target)"
-    if backend in MODULES and importlib.util.find_spec(MODULES[backend]) is None:
-        return f"{backend} is not installed ({INSTALL[backend]})"
-    return None
-
-
-def _local_gpu_target() -> str | None:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return f"sm{major}{minor}"
-    except Exception:  # noqa: BLE001  (no torch CUDA at all: no GPU as far as we can tell)
-        pass
-    return None
-
-
-def check_checkpoint(path: str | Path):
+def check_checkpoint(path: str | Path) -> ModelConfig:
     """The checkpoint's ModelConfig, or a BuildError saying why it is not a usable K3 checkpoint."""
-    from k3trt.config import ConfigError, ModelConfig
-
     path = Path(path)
     if not path.is_dir():
         raise BuildError(f"checkpoint {path} is not a directory (expected a Hugging Face checkpoint)")
@@ -154,11 +85,11 @@ def check_disk(directory: str | Path, need_bytes: int) -> None:
                          f"{free / 2**30:.1f} GiB are free; free space or choose another --output")
 
 
-def preflight(checkpoint: str | Path, output: str | Path, *, backend: str, target: str | None, capacities,
-              dtype: str = "bf16") -> Any:
+def preflight(checkpoint: str | Path, output: str | Path, *, backend: str, target: str | None,
+              capacities: Capacities, dtype: str = "bf16") -> ModelConfig:
     """Every check a TensorRT build can fail before its long work, in order; returns the ModelConfig."""
     cfg = check_checkpoint(checkpoint)
-    if backend not in installed_backends():
+    if backend not in registry.installed_backends():
         raise BuildError(f"backend {backend!r} is not installed; install it with: {INSTALL[backend]}")
     target = check_target(backend, target)
     if backend == "tensorrt-rtx":

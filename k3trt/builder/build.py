@@ -15,7 +15,7 @@ dtypes, kv scale: the build options that matter to it), the backend, its version
 Capacities whose key is unchanged and whose files are intact are hard-linked from the previous
 dir, the others built; ``force`` rebuilds everything. ``workers`` > 1 builds capacities in
 spawned worker processes (rank.build_rank). The new dir replaces the old one only once
-complete (engine_dir.write_engine_dir).
+complete (engine/writer.py).
 """
 
 from __future__ import annotations
@@ -32,20 +32,25 @@ from typing import Any, Sequence
 import torch
 
 import k3trt
-from k3trt.builder.capacities import Capacities
-from k3trt.builder.engine_dir import (DTYPES, BuildConfig, EngineDir, EngineDirError, check_output, is_engine_dir,
-                                      read_engine_dir, sha256_file, write_engine_dir)
+from k3trt.builder import backends as checks
+from k3trt.builder import rank
+from k3trt.builder.tensorrt import BuildOptions
+from k3trt.engine import backends as registry
+from k3trt.engine.backends import BACKENDS
+from k3trt.engine.build_config import DTYPES, BuildConfig
+from k3trt.engine.capacities import Capacities
+from k3trt.engine.engine_dir import EngineDir, EngineDirError, is_engine_dir, read_engine_dir, sha256_file
+from k3trt.engine.writer import check_output, write_engine_dir
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 32
-BACKENDS = ("torch", "tensorrt", "tensorrt-rtx")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json",
                    "special_tokens_map.json")
 WEIGHT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json")
 # the parts of k3trt whose code shapes an exported graph or engine (their digest is in every content key)
-CODE_PACKAGES = ("__init__.py", "config.py", "builder", "model", "plugins")
+CODE_PACKAGES = ("__init__.py", "config.py", "engine", "builder", "model", "plugins")
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
@@ -64,19 +69,17 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                  force: bool = False, workers: int = 1) -> Path:
     """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
     the largest being the live-request limit); prefill token capacities are the powers of two up
-    to max_num_tokens (builder/capacities.py). `output` may be an existing engine dir: it is
+    to max_num_tokens (engine/capacities.py). `output` may be an existing engine dir: it is
     replaced once the new one is complete, reusing unchanged capacities' engines unless `force`
     (module doc). `workers`: processes building capacities in parallel (engine backends)."""
     checkpoint, output = Path(checkpoint), Path(output)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if backend == "auto":
-        from k3trt.builder.backends import installed_backends
-        backend = "tensorrt" if "tensorrt" in installed_backends() else "torch"
+        backend = "tensorrt" if "tensorrt" in registry.installed_backends() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
-    from k3trt.builder.backends import check_checkpoint
-    cfg = check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
+    cfg = checks.check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
                         max_num_tokens=max_num_tokens,
@@ -110,12 +113,10 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
 
 def _check_link_disk(checkpoint: Path, output: Path) -> None:
     """The torch backend hard-links the checkpoint; across filesystems it copies, and needs room."""
-    from k3trt.builder.backends import check_disk
-
     probe = next((p for p in [output, *output.parents] if p.exists()), Path("."))
     if probe.stat().st_dev != checkpoint.stat().st_dev:
         size = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
-        check_disk(output, int(size * 1.05))
+        checks.check_disk(output, int(size * 1.05))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -129,14 +130,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | None, model_raw: dict,
                build: BuildConfig, caps: Capacities, check_onnx: bool, force: bool, workers: int) -> Path:
     """One ONNX graph + engine per capacity under rank0/ (see builder/rank.py)."""
-    from k3trt.builder import backends, rank
-    from k3trt.builder.tensorrt import BuildOptions
-
     t_start = time.perf_counter()
-    cfg = backends.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype)
+    cfg = checks.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype)
     if check_onnx and build.dtype != "fp32":
         raise ValueError("--check-onnx compares with onnxruntime in fp32: build with --dtype fp32")
-    target = backends.check_target(backend, target)
+    target = checks.check_target(backend, target)
     reports: list = []
     inputs: dict[str, Any] = {}
 

@@ -1,32 +1,7 @@
 """Export the model's per-capacity step graphs to ONNX, the k3trt plugin ops as single nodes.
 
-Two graphs per capacity, both static-shaped in their step dimensions:
-
-    verify_b{B}    B requests x Q = K+1 rows each (decode is verify with Q rows too): logits of
-                   every row; KDA states after every row are saved (speculative rollback).
-    prefill_t{T}   T new tokens of ONE sequence: logits of the last token. No padding: a chunk of
-                   n tokens runs as the exact sum of power-of-two capacities
-                   (``Capacities.split_prefill``), because KDA's recurrence cannot skip padded
-                   tokens (they would advance the state and the conv window).
-
-Graph inputs (names are the engine bindings; ``io_specs`` lists them with shapes and dtypes):
-    input_ids int64 [N], slot_mapping int64 [N] (negative: do not write), block_table int32
-    [S, max_blocks], seq_lens int32 [S] (cached length after this step's rows, as mla_verify
-    wants), kda_slots int64 [S], positions int64 [N] (only for RoPE MLA layers; K3's are NoPE),
-    then the caches: mla_cache_{l} [num_blocks, block_size, D]; kda_state_{l} [num_slots, H, dk,
-    dv] fp32, kda_conv_{l} [num_slots, C, K-1]; verify also kda_step_state_{l} [num_slots, Q, H,
-    dk, dv] and kda_step_conv_{l} [num_slots, Q, C, K-1]. num_blocks and num_slots are dynamic.
-Graph outputs: logits fp32, then every cache again as ``<name>_out``: the graph is functional
-(ONNX has no in-place update). An engine binds ``<name>_out`` to the same memory as ``<name>``
-only where the producing node supports it (a plugin declaring the alias, as MlaCacheWrite
-should); a native ScatterND output is a copy, which is what the KDA state updates are for now.
-
-Contract the caller keeps (the model's ctx_len == 0 rule lives outside the graph): a sequence
-that starts fresh must have its KDA state and conv window zeroed before its first chunk; the
-graph always continues from the slot's contents. Padded verify requests point kda_slots at a
-scratch slot, slot_mapping at -1 and seq_lens at Q; a live request with fewer than Q rows is
-padded at its end (slot -1, seq_lens = context + Q) and its KDA state is then reset to the one
-saved after its last live row (runtime/trt_session.py does all of this).
+One graph per capacity (verify_b{B}, prefill_t{T}); their inputs, outputs and the contract the
+caller keeps are the engine format's: k3trt/engine/graph_io.py (GraphSpec, io_specs).
 
 ``native=True`` exports the same graph with every k3trt op lowered to standard ONNX ops
 (onnx_ops.native_lowerings) for a backend that cannot load the plugins (TensorRT-RTX).
@@ -45,7 +20,6 @@ cache through ``mla_verify`` (the naive path slices by the Python context length
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -56,6 +30,7 @@ from torch import Tensor, nn
 
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
 from k3trt.config import ModelConfig
+from k3trt.engine.graph_io import DYNAMIC_DIMS, GraphSpec, TensorSpec, cache_specs, io_specs
 from k3trt.model import mla as mla_module
 from k3trt.model.context import KDALayerCache, ModelCache, StepContext
 from k3trt.model.layers import ACTIVATIONS
@@ -63,8 +38,6 @@ from k3trt.model.moe import Experts
 from k3trt.plugins.cache_write import mla_cache_write_reference
 
 log = logging.getLogger(__name__)
-
-DYNAMIC_DIMS = ("num_blocks", "num_slots")
 
 
 # ------------------------------------------------------------------------------ wrapper ops
@@ -105,95 +78,6 @@ class _ExpertWeights:
 
 
 _EXPERTS_FORWARD = Experts._loop   # the plain per-expert loop: the op's reference
-
-
-# ------------------------------------------------------------------------------ graph specs
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int | str, ...]     # str: a dynamic dimension (DYNAMIC_DIMS)
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    kind: str                        # "verify" | "prefill"
-    capacity: int                    # verify: requests B; prefill: tokens T
-    q_per_req: int                   # verify: K+1; prefill: T
-    block_size: int
-    max_blocks: int                  # block-table width: ceil((max_seq_len + K) / block_size)
-    dtype: torch.dtype               # weights and activations
-    kv_dtype: torch.dtype
-    kv_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("verify", "prefill"):
-            raise ValueError(f"graph kind {self.kind!r}: choose verify or prefill")
-        if self.kind == "prefill" and self.q_per_req != self.capacity:
-            raise ValueError(f"a prefill graph runs one sequence: q_per_req must equal the capacity {self.capacity}")
-
-    @classmethod
-    def verify(cls, batch: int, spec_tokens: int, **kw) -> "GraphSpec":
-        return cls("verify", batch, spec_tokens + 1, **kw)
-
-    @classmethod
-    def prefill(cls, tokens: int, **kw) -> "GraphSpec":
-        return cls("prefill", tokens, tokens, **kw)
-
-    @property
-    def name(self) -> str:
-        return f"verify_b{self.capacity}" if self.kind == "verify" else f"prefill_t{self.capacity}"
-
-    @property
-    def num_seqs(self) -> int:
-        return self.capacity if self.kind == "verify" else 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_seqs * self.q_per_req
-
-    @property
-    def saves_kda_states(self) -> bool:
-        return self.kind == "verify"
-
-    @property
-    def logit_rows(self) -> int:
-        return self.num_tokens if self.kind == "verify" else 1
-
-
-def uses_rope(cfg: ModelConfig) -> bool:
-    return not cfg.mla_use_nope and bool(cfg.mla_layers)
-
-
-def cache_specs(cfg: ModelConfig, spec: GraphSpec) -> list[TensorSpec]:
-    la = cfg.linear_attn_config
-    H, D, conv = la.num_heads, la.head_dim, (3 * la.num_heads * la.head_dim, la.short_conv_kernel_size - 1)
-    out = []
-    for layer in range(cfg.num_hidden_layers):
-        if not cfg.is_kda(layer):
-            out.append(TensorSpec(f"mla_cache_{layer}", ("num_blocks", spec.block_size, cfg.mla_cache_dim),
-                                  spec.kv_dtype))
-            continue
-        out += [TensorSpec(f"kda_state_{layer}", ("num_slots", H, D, D), torch.float32),
-                TensorSpec(f"kda_conv_{layer}", ("num_slots", *conv), spec.dtype)]
-        if spec.saves_kda_states:
-            out += [TensorSpec(f"kda_step_state_{layer}", ("num_slots", spec.q_per_req, H, D, D), torch.float32),
-                    TensorSpec(f"kda_step_conv_{layer}", ("num_slots", spec.q_per_req, *conv), spec.dtype)]
-    return out
-
-
-def io_specs(cfg: ModelConfig, spec: GraphSpec) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the graph, in binding order."""
-    N, S = spec.num_tokens, spec.num_seqs
-    ins = [TensorSpec("input_ids", (N,), torch.int64), TensorSpec("slot_mapping", (N,), torch.int64),
-           TensorSpec("block_table", (S, spec.max_blocks), torch.int32), TensorSpec("seq_lens", (S,), torch.int32),
-           TensorSpec("kda_slots", (S,), torch.int64)]
-    if uses_rope(cfg):
-        ins.append(TensorSpec("positions", (N,), torch.int64))
-    caches = cache_specs(cfg, spec)
-    outs = [TensorSpec("logits", (spec.logit_rows, cfg.vocab_size), torch.float32)]
-    outs += [dataclasses.replace(c, name=f"{c.name}_out") for c in caches]
-    return ins + caches, outs
 
 
 def example_inputs(cfg: ModelConfig, spec: GraphSpec, *, num_blocks: int, num_slots: int,

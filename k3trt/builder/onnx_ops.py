@@ -270,7 +270,8 @@ def ort_session(onnx_path: str | Path, *, threads: int = 0):
 def reference_outputs(model, cfg, spec, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What an exported graph must compute: the model run eagerly the way the runtime runs it (a
     plain StepContext: the naive MLA path for prefill, the experts loop)."""
-    from k3trt.builder.export import cache_specs, model_cache
+    from k3trt.builder.export import model_cache
+    from k3trt.engine.graph_io import cache_specs
     from k3trt.model.context import StepContext
 
     Q, S = spec.q_per_req, spec.num_seqs

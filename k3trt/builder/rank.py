@@ -16,6 +16,7 @@ than comparing rebuilt ones.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -25,24 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3trt.builder.backends import MODULES, Backend, BuildError, load_backend
+from k3trt.builder.backends import BuildError
 from k3trt.builder.tensorrt import BuildOptions, EngineReport, build_engine, register_plugins
+from k3trt.engine.backends import MODULES, Backend, load_backend
+from k3trt.engine.engine_dir import sha256_file
+from k3trt.engine.graph_io import GraphSpec, graph_specs
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ a whole rank
-def graph_specs(cfg, capacities, *, block_size: int, max_seq_len: int, dtype, kv_dtype, kv_scale: float = 1.0):
-    """The GraphSpecs of every capacity (verify first), as the engine dir names them."""
-    from k3trt.builder.export import GraphSpec
-
-    # a padded verify request sees up to Q - 1 rows past its last live one
-    max_blocks = -(-(max_seq_len + capacities.spec_tokens) // block_size)
-    kw = dict(block_size=block_size, max_blocks=max_blocks, dtype=dtype, kv_dtype=kv_dtype, kv_scale=kv_scale)
-    return ([GraphSpec.verify(b, capacities.spec_tokens, **kw) for b in capacities.verify] +
-            [GraphSpec.prefill(t, **kw) for t in capacities.prefill])
-
-
 @dataclass(frozen=True)
 class ModelSource:
     """Where build_rank gets the model when (and only when) it must export a graph: loaded in this
@@ -72,10 +65,6 @@ def capacity_key(spec, *, inputs_digest: str, backend: str, backend_version: str
     covers the checkpoint and the code (builder/build.py); here: the graph (capacity, rows, block
     size and table width, dtypes, kv scale), the backend, its version and target, and the
     engine options that change the engine (not the timing cache)."""
-    import hashlib
-
-    from k3trt.builder.export import GraphSpec
-
     doc = {"inputs": inputs_digest, "graph": spec.name, "native": native,
            "spec": {f: str(getattr(spec, f)) for f in GraphSpec.__dataclass_fields__},
            "backend": backend, "backend_version": backend_version, "target": options.target,
@@ -185,8 +174,6 @@ def _adopt(previous: Previous, rank_dir: Path, specs, keys: dict[str, str],
     """Link the files of every capacity whose previous key matches and whose files are intact;
     returns their reports and the weight table restricted to the data files linked."""
     import onnx
-
-    from k3trt.builder.engine_dir import sha256_file
 
     prev, digests = previous.rank_dir, previous.digests
     checked: dict[str, bool] = {}

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3trt.builder.backends import Backend, BuildError, check_target
+from k3trt.builder.backends import BuildError, check_target
+from k3trt.engine.backends import Backend
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,9 @@ from typing import Any, Iterator, Sequence, Union
 
 import torch
 
-from k3trt.builder.capacities import Capacities
-from k3trt.builder.engine_dir import BuildConfig, read_engine_dir
+from k3trt.engine.build_config import BuildConfig
+from k3trt.engine.capacities import Capacities
+from k3trt.engine.engine_dir import read_engine_dir
 from k3trt.runtime import lookahead, sampling
 from k3trt.runtime.engine import TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default

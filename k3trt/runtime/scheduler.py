@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from k3trt.builder.capacities import pick, validate
+from k3trt.engine.capacities import pick, validate
 from k3trt.runtime.kv_cache import CacheManager
 from k3trt.runtime.request import Request, Status
 

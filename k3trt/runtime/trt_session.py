@@ -10,18 +10,18 @@ one execution context, its step inputs staged in pinned host memory and copied t
 buffers, its enqueue captured as a CUDA graph per cache-buffer parity, all on one stream.
 Weights: one device copy, read from ``weights.bin`` by the manifests, bound to every engine.
 
-Caches: the graphs are functional (each cache X comes back as X_out; export.py). Unless the
+Caches: the graphs are functional (each cache X comes back as X_out; engine/graph_io.py). Unless the
 engine's cache-writing nodes alias their output to their input (``alias_caches=True``, for
 plugin engines that declare it), an output must not be bound to its input's memory, so every
 cache tensor has two buffers and flips parity when an engine writes it (verify engines also
 write the per-position KDA states, prefill engines do not). Cost: twice the cache memory.
 
-The graph contract the session keeps (export.py): verify engines run B_cap requests x Q rows;
-padded requests use the scratch KDA slot (one slot past the plan's), slot_mapping -1 and
+The graph contract the session keeps (engine/graph_io.py): verify engines run B_cap requests x
+Q rows; padded requests use the scratch KDA slot (one slot past the plan's), slot_mapping -1 and
 seq_lens Q; a request with fewer than Q rows is padded at its end and its KDA state is then
-reset to the state after its last live row. Prefill engines run one sequence's chunk of exactly
-T tokens; a chunk of n tokens runs as the capacities ``split_prefill`` gives; a fresh sequence's
-KDA slot is zeroed first.
+reset to the state after its last live row. Prefill engines run exactly T tokens of one
+sequence; a chunk of n tokens runs as PrefillSlices at the capacities ``split_prefill`` gives; a
+fresh sequence's KDA slot is zeroed first.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from k3trt.builder.capacities import pick, split_prefill
-from k3trt.builder.export import DYNAMIC_DIMS, GraphSpec, io_specs
 from k3trt.config import ModelConfig
+from k3trt.engine.backends import load_backend, runnable_here
+from k3trt.engine.capacities import Capacities, pick, split_prefill
+from k3trt.engine.graph_io import DYNAMIC_DIMS, GraphSpec, graph_specs, io_specs
 from k3trt.runtime.engine import Batch, EngineSession
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,6 @@ def engine_layouts(rank_dir: str | Path, cfg: ModelConfig, *, verify: tuple[int,
                    kv_dtype: torch.dtype, num_blocks: int, num_slots: int) -> dict[str, EngineLayout]:
     """Every capacity engine's bindings with concrete shapes (num_slots includes the scratch slot).
     Refuses a rank dir that lacks an engine or manifest, saying which."""
-    from k3trt.builder.capacities import Capacities
-    from k3trt.builder.rank import graph_specs
-
     rank_dir = Path(rank_dir)
     caps = Capacities(tuple(verify), tuple(prefill), spec_tokens)
     dims = {"num_blocks": num_blocks, "num_slots": num_slots}
@@ -153,35 +151,37 @@ def verify_inputs(batch: Batch, spec: GraphSpec, scratch_slot: int, *, positions
 
 
 @dataclass(frozen=True)
-class Chunk:
+class PrefillSlice:
+    """One prefill engine run: exactly `capacity` tokens of one sequence's chunk."""
     seq: int          # sequence index in the batch
-    start: int        # first token of the chunk within the sequence's new tokens
+    start: int        # first token of the slice within the sequence's new tokens
     capacity: int     # tokens (exactly)
-    last: bool        # the sequence's last chunk: its logits are the sequence's
+    last: bool        # the sequence's last slice: its logits are the sequence's
 
 
-def prefill_chunks(batch: Batch, capacities: tuple[int, ...]) -> list[Chunk]:
+def prefill_slices(batch: Batch, capacities: tuple[int, ...]) -> list[PrefillSlice]:
     out = []
     for i, n in enumerate(batch.q_lens):
         start, parts = 0, split_prefill(capacities, n)
         for j, cap in enumerate(parts):
-            out.append(Chunk(i, start, cap, j == len(parts) - 1))
+            out.append(PrefillSlice(i, start, cap, j == len(parts) - 1))
             start += cap
     return out
 
 
-def prefill_inputs(batch: Batch, chunk: Chunk, spec: GraphSpec, *, positions: bool = False) -> dict[str, torch.Tensor]:
-    t0 = sum(batch.q_lens[:chunk.seq]) + chunk.start
-    ctx = batch.ctx_lens[chunk.seq] + chunk.start
+def prefill_inputs(batch: Batch, piece: PrefillSlice, spec: GraphSpec, *,
+                   positions: bool = False) -> dict[str, torch.Tensor]:
+    t0 = sum(batch.q_lens[:piece.seq]) + piece.start
+    ctx = batch.ctx_lens[piece.seq] + piece.start
     table = torch.zeros(1, spec.max_blocks, dtype=torch.int32)
     width = min(batch.block_table.shape[1], spec.max_blocks)
-    table[0, :width] = batch.block_table[chunk.seq, :width]
-    x = {"input_ids": batch.input_ids[t0:t0 + chunk.capacity].clone(),
-         "slot_mapping": batch.slot_mapping[t0:t0 + chunk.capacity].clone(), "block_table": table,
-         "seq_lens": torch.tensor([ctx + chunk.capacity], dtype=torch.int32),
-         "kda_slots": batch.kda_slots[chunk.seq:chunk.seq + 1].clone()}
+    table[0, :width] = batch.block_table[piece.seq, :width]
+    x = {"input_ids": batch.input_ids[t0:t0 + piece.capacity].clone(),
+         "slot_mapping": batch.slot_mapping[t0:t0 + piece.capacity].clone(), "block_table": table,
+         "seq_lens": torch.tensor([ctx + piece.capacity], dtype=torch.int32),
+         "kda_slots": batch.kda_slots[piece.seq:piece.seq + 1].clone()}
     if positions:
-        x["positions"] = torch.arange(ctx, ctx + chunk.capacity)
+        x["positions"] = torch.arange(ctx, ctx + piece.capacity)
     return x
 
 
@@ -338,8 +338,6 @@ class EngineNotRunnable(RuntimeError):
 def check_runnable(rank_dir: str | Path, backend: str, target: str | None) -> None:
     """Refuse, before any CUDA or TensorRT call, engines this machine cannot run, saying why
     (`target`: the engine dir's; None skips the architecture comparison)."""
-    from k3trt.builder.backends import runnable_here
-
     reason = runnable_here(backend, target)
     if reason is not None:
         raise EngineNotRunnable(f"cannot run the {backend} engines of {rank_dir} (target {target or '?'}) on this "
@@ -354,8 +352,6 @@ class TrtSession(EngineSession):
                  prefill: tuple[int, ...], spec_tokens: int, max_seq_len: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: str = "cuda:0", alias_caches: bool = False, cuda_graphs: bool = True,
                  target: str | None = None):
-        from k3trt.builder.backends import load_backend
-
         check_runnable(rank_dir, backend, target)
         self.cfg, self.plan, self.device = cfg, plan, torch.device(device)
         self.scratch_slot = plan.num_slots
@@ -423,11 +419,11 @@ class TrtSession(EngineSession):
             if c == 0:                # the graph continues from the slot: a fresh sequence starts at zero
                 self._zero_kda_slot(int(batch.kda_slots[i]))
         last = {}
-        for chunk in prefill_chunks(batch, self.prefill_caps):
-            name = f"prefill_t{chunk.capacity}"
-            logits = self._run(name, prefill_inputs(batch, chunk, self.layouts[name].spec, positions=self.rope))
-            if chunk.last:
-                last[chunk.seq] = torch.as_tensor(logits, device=self.device)[0].clone()
+        for piece in prefill_slices(batch, self.prefill_caps):
+            name = f"prefill_t{piece.capacity}"
+            logits = self._run(name, prefill_inputs(batch, piece, self.layouts[name].spec, positions=self.rope))
+            if piece.last:
+                last[piece.seq] = torch.as_tensor(logits, device=self.device)[0].clone()
         return torch.stack([last[wanted[int(r)]] for r in batch.logit_rows.tolist()]) if wanted else \
             torch.empty(0, self.cfg.vocab_size, device=self.device)
 

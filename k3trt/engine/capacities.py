@@ -7,11 +7,13 @@ prefill  token capacities T: powers of two up to the step token budget, then the
 A step with n live requests uses the smallest verify capacity >= n and pads (3 live → 4); more
 than the largest is an error the scheduler must avoid by splitting or queueing, never a silent
 truncation. Prefill differs: an exported prefill graph runs exactly T tokens of one sequence
-and cannot pad (KDA's recurrence would advance over the padding, see export.py), so a chunk of n
+and cannot pad (KDA's recurrence would advance over the padding, see graph_io.py), so a chunk of n
 tokens runs as the exact sum of capacities ``split_prefill`` returns (greedy, largest first;
 exact because 1 is always a prefill capacity).
 
-``Capacities`` is what the builder writes into the engine dir (``capacities`` in config.json).
+``Capacities`` is what the builder writes into the engine dir (``capacities`` in config.json);
+its constructor is where every capacity list is checked (``validate``), and ``within`` gives the
+subset a run may use under its engine options (max_batch, max_num_tokens, spec_tokens).
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ def parse_capacity_list(text: str, what: str = "verify") -> tuple[int, ...]:
     except ValueError:
         raise CapacityError(f"{what} capacities {text!r}: expected comma-separated integers like 1,2,4,8") from None
     return validate(caps, what)
+
+
+def _upto(caps: tuple[int, ...], limit: int | None, option: str) -> tuple[int, ...]:
+    out = tuple(c for c in caps if limit is None or c <= limit)
+    if not out:
+        raise CapacityError(f"engine option {option}={limit} is below the smallest built capacity {caps[0]}")
+    return out
 
 
 def pick(caps: Iterable[int], live: int, what: str = "verify") -> int:
@@ -113,11 +122,30 @@ class Capacities:
         must fit the token budget."""
         caps = cls(tuple(verify) if verify is not None else power_of_two_capacities(max_batch),
                    power_of_two_capacities(max_num_tokens), spec_tokens)
-        if caps.verify_rows(caps.verify[-1]) > max_num_tokens:
-            raise CapacityError(f"the largest verify capacity {caps.verify[-1]} runs "
-                                f"{caps.verify_rows(caps.verify[-1])} rows, more than max_num_tokens "
-                                f"({max_num_tokens}); raise max_num_tokens or lower the capacities")
+        caps.check_budget(max_num_tokens)
         return caps
+
+    def within(self, *, max_batch: int | None = None, max_num_tokens: int | None = None,
+               spec_tokens: int | None = None) -> "Capacities":
+        """The capacities a run uses under its engine options (None: as built): the verify
+        capacities up to `max_batch`, the prefill capacities up to `max_num_tokens`, K =
+        `spec_tokens`; an option below the smallest built capacity, or a verify step whose rows
+        exceed `max_num_tokens`, is a CapacityError naming the option."""
+        caps = Capacities(_upto(self.verify, max_batch, "max_batch"),
+                          _upto(self.prefill, max_num_tokens, "max_num_tokens"),
+                          self.spec_tokens if spec_tokens is None else spec_tokens)
+        if max_num_tokens is not None:
+            caps.check_budget(max_num_tokens)
+        return caps
+
+    def check_budget(self, max_num_tokens: int) -> None:
+        """The largest verify step's rows must fit the step's token budget."""
+        rows = self.verify_rows(self.verify[-1])
+        if rows > max_num_tokens:
+            raise CapacityError(f"the largest verify capacity {self.verify[-1]} runs {rows} rows "
+                                f"({self.rows_per_request} per request), more than max_num_tokens "
+                                f"({max_num_tokens}); raise max_num_tokens or lower the capacities "
+                                "(max_batch) or spec_tokens")
 
     @property
     def rows_per_request(self) -> int:
