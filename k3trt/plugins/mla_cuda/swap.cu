@@ -77,7 +77,7 @@
 
 #include <cuda.h>
 
-#include "sm90_common.cuh"
+#include "kernels.h"
 
 namespace k3mla {
 namespace swap {
@@ -189,7 +189,7 @@ __device__ __forceinline__ void st_block(float* d, uint32_t slot, uint32_t qbase
   const uint32_t alo = desc_lo(slot, 16), blo = desc_lo(qbase, 16);
 #pragma unroll
   for (int c = 0; c < 5; ++c) {
-    mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
+    mbar_wait(bars + 8 * c, parity, err, kErrKvChunk, blk, c);
     wgmma_fence();  // (at each chunk: a wgmma after the wait's branch, without one, is serialised)
 #pragma unroll
     for (int j = 0; j < (c < 4 ? 4 : 2); ++j) {
@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
     for (int c = 0; c < 12; ++c) lsum[c] = 0.f;
     // block j (the other warpgroup's): its max published; the row sums taken to it
     auto chain_in = [&](int j) {
-      mbar_wait(mrd0 + 8 * (j & 1), (j >> 1) & 1, p.err, 6, blo + j, j & 1);
+      mbar_wait(mrd0 + 8 * (j & 1), (j >> 1) & 1, p.err, kErrMaxReady, blo + j, j & 1);
       if (cflag[j & 1]) {
 #pragma unroll
         for (int c = 0; c < 12; ++c) lsum[c] *= cfac[(j & 1) * kN + col_of(c, q)];
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       mbar_arrive(mrd0 + 8 * (i & 1));
       if (t == 0 && i + 4 < nblk) issue(i + 4, pg, 0, 0, true);  // the rope chunk is ours alone
       // the tile and its factors were last read by the value warpgroups' O^T of block i - 4
-      if (i >= 4) mbar_wait(fre0 + 8 * sl, ((i >> 2) - 1) & 1, p.err, 4, blo + i, sl);
+      if (i >= 4) mbar_wait(fre0 + 8 * sl, ((i >> 2) - 1) & 1, p.err, kErrPtFree, blo + i, sl);
       if (moved && w == 0 && g == 0) {  // (cfac[i % 2] is next written by this warpgroup's i + 2)
 #pragma unroll
         for (int c = 0; c < 12; ++c) fac[pt * kN + col_of(c, q)] = cfac[(i & 1) * kN + col_of(c, q)];
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(swap::kThreadsSwap, 1)
       // (every warp's lane 0 reads the page id: which warp issues the refill is known only at the
       // count below, and the load's latency must be spent before it)
       if (lane == 0 && i + 4 < nblk) pg = __ldg(bt + i + 4);
-      mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, 3, blo + i, sl);
+      mbar_wait(rdy0 + 8 * sl, (i >> 2) & 1, p.err, kErrPtReady, blo + i, sl);
       if (flag[sl]) rescale(sl);
       ot_block(acc, fr, sbase + L::kKV + sl * kRawBlock, sbase + L::kP + sl * kPTile, wg, w,
                      g, q, i > 0 ? fre0 + 8 * ((i - 1) & 3) : 0u);
