@@ -24,14 +24,26 @@
 // free until the first P_B), two 72 KB stages, P_A and P_B (8 KB each), row statistics and 19
 // mbarriers (9 per stage, 1 for the Q tile). fp8 cache: TMA lands the raw bytes in the upper
 // half of each 8 KB chunk slot and the warpgroup that multiplies the block expands it in place to
-// fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16). Same split-K, masking,
-// NaN-safety and output contract as mla_verify_sm90.cu, whose header explains them.
+// fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16).
+//
+// The contract both verify kernels keep. One CTA = (M tile or head group of one request, split of
+// its KV sequence); the split rule (SplitRange, common.cuh) gives it blocks [blo, blo + nblk).
+// Scores of tokens past a row's visible length are -inf (which also replaces NaN read from cache
+// slots past the length), and the value rows of those slots are zeroed before P·V (0 * NaN would
+// poison it). The epilogue writes O (bf16) and LSE, or with split-K a 16-bit partial (bf16; fp16 in
+// the cache's units for an fp8 cache) + fp32 LSE per split ([rows, splits, 512]) that the merge
+// (merge.cu) combines. A request the split rule keeps on one split gets its bf16 O and LSE from that
+// CTA, and the merge skips its rows. The verify kernels call pdl_launch_dependents at entry so the
+// merge's CTAs start while their last ones run. Every mbarrier wait is bounded
+// (MLA_WAIT_TIMEOUT_NS): on a timeout the kernel records a code (kErr*, mla_constants.h) in `err`
+// and carries on with garbage instead of hanging the GPU, so a broken pipeline shows up as a
+// readable error, not a stuck process.
 
 #include "kernels.h"
 
 namespace k3mla {
 
-// Diagnostic build (-DMLA_TIMELINE, mla_cuda.load_extension(timeline=True)): per-CTA phase stamps,
+// Timeline build (-DMLA_TIMELINE, built by benchmarks/mla_verify.py --timeline): per-CTA stamps,
 // read back by timeline_copy. Slots: 0 globaltimer at entry, 1..7 clock64 at entry / barriers ready
 // / Q loaded / first score tile / WG0 loop end / WG1 loop end / epilogue end, 8 globaltimer at exit,
 // 9 SM id, 10..11 clock64 inside the epilogue (store_rows: row sums exchanged / tile staged, output
