@@ -1,12 +1,13 @@
-// Torch binding of the SM90 MLA verification kernel (mla_verify_sm90.cu). Python allocates every
-// buffer (so tests can poison them) and passes the CUDA stream; this file only checks and launches.
+// Torch binding of the SM90 MLA verification kernels (launch.cu). Python allocates every buffer
+// (so tests can poison them), picks the schedule and passes the CUDA stream; this file only checks
+// and launches.
 #include <torch/extension.h>
 
 #include <cuda_runtime.h>
 
 #include <string>
 
-#include "mla_verify_sm90.h"
+#include "launch.h"
 
 static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                     torch::Tensor seq_lens, int64_t q_per_req, double softmax_scale,
@@ -14,7 +15,7 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
                     int64_t min_split_blocks, int64_t full_split_blocks,
                     torch::Tensor out, torch::Tensor lse, torch::Tensor part_o,
                     torch::Tensor part_lse, torch::Tensor err, int64_t schedule,
-                    int64_t stream) {
+                    int64_t head_group, int64_t stream) {
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kBFloat16 && q.is_contiguous(),
               "q must be contiguous bf16 on CUDA");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == 576, "q must be [B*Q, H, 576]");
@@ -60,6 +61,7 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
   a.min_split_blocks = static_cast<int>(min_split_blocks);
   a.full_split_blocks = static_cast<int>(full_split_blocks);
   a.schedule = static_cast<int>(schedule);
+  a.head_group = static_cast<int>(head_group);
   a.softmax_scale = static_cast<float>(softmax_scale);
   a.kv_scale = static_cast<float>(kv_scale);
   a.out = out.data_ptr();
@@ -74,7 +76,7 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
 }
 
 #ifdef MLA_TIMELINE
-// the diagnostic build's stamps: uint64 [ctas, 12] (slots in mla_verify_sm90_pair.cu)
+// the timeline build's stamps: uint64 [ctas, 12] (slots in pair.cu)
 static torch::Tensor timeline(int64_t ctas) {
   auto t = torch::zeros({ctas, 12}, torch::kInt64);
   const cudaError_t e = k3mla::timeline_copy(t.data_ptr(), t.numel() * 8);
@@ -84,10 +86,6 @@ static torch::Tensor timeline(int64_t ctas) {
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the split partials' dtype this build takes, by cache dtype (earlier builds, which
-  // benchmarks/mla_ab.py runs as baselines, took fp32 and have no such attributes)
-  m.attr("partial_dtype") = "bfloat16";
-  m.attr("partial_dtype_fp8") = "float16";
   m.def("forward", &forward, "k3trt MLA verification, SM90 kernel (+ split merge)");
 #ifdef MLA_TIMELINE
   m.def("timeline", &timeline,

@@ -317,7 +317,7 @@ struct KvIssue {
 // its pages, shared memory and this thread's place in the accumulator layout.
 struct Loop {
   const int* bt;
-  int nblk, blo, n, tail_blk;  // tail_blk: local index of the sequence's last block
+  int nblk, blo, n, npairs, tail_blk;  // tail_blk: local index of the sequence's last block
   uint32_t sbase, bar0, kv0, kv1;
   uint32_t sMA, sMB;           // this thread's rows of the two warpgroups' maxima
   int t, quad, r0, wg;
@@ -355,10 +355,9 @@ __device__ __forceinline__ void wg0_pairs(const Params& p, const Loop& L, const 
                                           const uint32_t* q8, const int* vis, float* acc, float* s,
                                           float* m_run, float* lsum) {
   const int t = L.t, quad = L.quad, r0 = L.r0;
-  const int npairs = (L.nblk + 1) / 2;
   uint32_t pa[16];
 #pragma unroll 1
-  for (int j = 0; j < npairs; ++j) {
+  for (int j = 0; j < L.npairs; ++j) {
     const int ia = 2 * j, ib = ia + 1;
     const bool has_b = ib < L.nblk;
     qk_block<0, kFp8>(s, L.sbase, L.kv0, L.bar0, j & 1, q8, p.err, L.blo + ia, t, L.wg);
@@ -525,10 +524,9 @@ __device__ __forceinline__ void wg1_pairs(const Params& p, const Loop& L, const 
                                           const uint32_t* q8, const int* vis, float* acc, float* s,
                                           float* m_run, float* lsum) {
   const int t = L.t, quad = L.quad;
-  const int npairs = (L.nblk + 1) / 2;
   uint32_t pb[16];
 #pragma unroll 1
-  for (int j = 0; j < npairs; ++j) {
+  for (int j = 0; j < L.npairs; ++j) {
     const int ia = 2 * j, ib = ia + 1;
     const bool has_b = ib < L.nblk;
     if (has_b) {
@@ -642,8 +640,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m_run[2] = {-INFINITY, -INFINITY};
   float lsum[2] = {0.f, 0.f};
   const uint32_t kv0 = sbase + kSmemKV;
-  const Loop loop{bt, nblk, blo, n, (n - 1) / kPage - blo, sbase, bar0, kv0, kv0 + kBlockBytes,
-                  sbase + kSmemMA + 4 * r0, sbase + kSmemMB + 4 * r0, t, quad, r0, wg};
+  const uint32_t sMA = sbase + kSmemMA + 4 * r0, sMB = sbase + kSmemMB + 4 * r0;
+  const uint32_t kv1 = kv0 + kBlockBytes;
+  const int npairs = (nblk + 1) / 2;
+  const int tail_blk = (n - 1) / kPage - blo;
+  const Loop loop{bt, nblk, blo, n, npairs, tail_blk, sbase, bar0, kv0, kv1, sMA, sMB, t, quad, r0, wg};
 
   // (each warpgroup's Q·K^T of its next block opens its loop body: one call site, so that the
   // compiler does not cache the descriptors of two copies in local memory)
