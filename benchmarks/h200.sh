@@ -43,7 +43,7 @@ for s in "${stages[@]}"; do
         e2e) run e2e "${E2E_S:-480}" python benchmarks/e2e.py --budget-s "${E2E_BUDGET_S:-400}" --json "$OUT/e2e.json" ;;
         structured) run structured "${STRUCTURED_S:-240}" python benchmarks/structured.py --device cuda --preset medium \
                         --batches 1,32,128 --speculative none --json "$OUT/structured_medium.json" ;;
-        mla_cuda) run mla_cuda "${MLA_CUDA_S:-200}" python benchmarks/mla_cuda_check.py ${MLA_CUDA_ARGS:-} --json "$OUT/mla_cuda.json" ;;
+        mla_cuda) run mla_cuda "${MLA_CUDA_S:-200}" python benchmarks/mla_verify.py ${MLA_CUDA_ARGS:-} --json "$OUT/mla_verify.json" ;;
         profile) run profile "${PROFILE_S:-200}" bash -c "python benchmarks/profile_step.py --q 1 ${PROFILE_ARGS:-} \
                      --json $OUT/profile_q1.json && python benchmarks/profile_step.py --q 4 --batches 1,32 \
                      --json $OUT/profile_q4.json" ;;
@@ -51,8 +51,8 @@ for s in "${stages[@]}"; do
         mla) run mla_tests "${MLA_S:-300}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_verify_gpu.py ;;
         swap) run swap_tests "${SWAP_S:-240}" python -m pytest -q -n 8 -m gpu -p no:cacheprovider \
                   tests/test_mla_cuda_gpu.py -k swap
-              run swap_ab "${SWAP_AB_S:-300}" python benchmarks/mla_ab.py --variant pair=pair --kv fp8 \
-                  --cells 12:32:1024,12:32:8192,12:128:1024,12:128:8192,12:128:32768,12:1:8192 \
+              run swap_ab "${SWAP_AB_S:-300}" python benchmarks/mla_verify.py --ab pair=.:pair --kv fp8 \
+                  --heads 12 --batch 32,128 --ctx 1024,8192 --extra "12:128:32768;12:1:8192" \
                   --json "$OUT/swap_ab.json" ;;
         *) echo "unknown stage $s" ;;
     esac
