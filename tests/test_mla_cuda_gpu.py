@@ -33,7 +33,8 @@ FP8 = torch.float8_e4m3fn
 def nan_scratch(monkeypatch):
     """The kernel's split partials come NaN-filled: a partial the merge reads unwritten shows."""
     from k3trt.plugins import mla_cuda, plans
-    monkeypatch.setattr(mla_cuda, "split_scratch", functools.partial(plans.split_scratch, poison=True))
+    monkeypatch.setattr(mla_cuda, "split_scratch",
+                        functools.partial(plans.split_scratch, poison=True))
 
 
 LENS = [(0, 1, 63, 65, 700, 2500), (20000,), (0, 0)]

@@ -1,6 +1,6 @@
 """The SM90 MLA kernels' SASS keeps its wgmmas asynchronous: ptxas may serialise them (a full
 `WARPGROUP.DEPBAR.LE gsb0, 0x0` right after each HGMMA or QGMMA, the fp8 form) to save registers,
-without a warning and while reporting fewer spills. Such builds run 16-20% slower, so this compiles
+without a warning and while reporting fewer spills. Such builds are 16-20% slower, so this compiles
 the kernels and counts. Needs nvcc and cuobjdump, not a GPU; skipped without them.
 """
 

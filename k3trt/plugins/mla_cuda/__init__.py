@@ -139,7 +139,8 @@ def mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale
     if schedule is None:
         schedule = pick_schedule(kv_cache.dtype, q_per_req, q.shape[1], block_table.shape[0])
     if schedule not in SCHEDULES:
-        raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
+        raise ValueError(f"mla_verify_cuda: schedule {schedule!r} is not one of "
+                         f"{sorted(SCHEDULES)}")
     reason = unsupported(q, kv_cache, block_table, seq_lens, d_v)
     if reason:
         raise ValueError(f"mla_verify_cuda: unsupported call: {reason}")

@@ -114,7 +114,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* er
 // The KV stream is read once per call at 12 heads: evict-first keeps it from pushing the small,
 // reused data (block table, lengths, Q, split partials) out of L2: 2-5% at batch 32 (8K, 2K, 1K),
 // 1-3% at batch 128 / 1K. It costs 0.5-1.5% at 48 / 96 heads, batch 128, 1K, whose M tiles read
-// the same pages in different waves; picking the policy at run time was slower everywhere (the
+// the same pages in different waves; picking the policy at run time is slower everywhere (the
 // branch at each issue), so all cells take evict-first.
 // kEvictFirst = false: no cache hint (the pair kernel's Q tile, which every split of its M tile
 // reads).
@@ -254,8 +254,8 @@ __device__ __forceinline__ float lazy_max(float m_run, float mx) {
   return mx > m_run + kLazyMax ? mx : m_run;  // (m_run = -inf: any finite mx)
 }
 // the factor taking a row's sums from max m_old to m_new >= m_old: exactly 1 when the max did not
-// move, and when it was -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
-// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 did not)
+// move, and when it is -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
+// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 would not)
 __device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
   return m_old == m_new || m_old == -INFINITY ? 1.f : fast_exp2(m_old - m_new);
 }
@@ -332,8 +332,8 @@ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitR
 // The blocks [blo, blo + nblk) that split `split` of a request of n tokens reads (nblk = 0 past its
 // active splits). A request on one split (active == 1) needs no merge: that CTA writes the bf16
 // output itself and the merge kernel skips the request's rows (at 48 heads, batch 32, 1K context
-// every request is on one of the plan's four splits, and the fp32 partials and the merge took 10
-// of 53 us).
+// every request is on one of the plan's four splits, and fp32 partials and the merge would take
+// 10 of 53 us).
 struct SplitRange {
   int n, blo, nblk, active;
   __device__ __forceinline__ bool split_out() const { return active > 1; }
@@ -411,8 +411,8 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // |O| <= 448, so fp16 cannot overflow; the merge applies kv_scale), which keeps fp8's error at its
 // fp16 level. The tile goes through shared memory at `stage` (64 KB, free once both warpgroups are
 // past their last Q·K^T: the Q tile) so that it leaves in whole 16-byte rows' pieces: written
-// straight from the accumulator layout, a warp's store covered 16 bytes of each of 8 rows, half a
-// sector, and the epilogue took 6-9 us at 48-96 heads (the timeline build). 16-bit
+// straight from the accumulator layout, a warp's store covers 16 bytes of each of 8 rows, half a
+// sector, and the epilogue takes 6-9 us at 48-96 heads (the timeline build). 16-bit
 // partials halve the bytes written and read back by the merge (up to 113 partials a row at batch
 // 1: 3-11% there) and add one rounding to the result, which is bf16 anyway. `mark(i)` runs at its
 // steps (i = 0: the row sums exchanged, 1: the tile staged); the timeline build stamps them, the
