@@ -8,6 +8,7 @@
 #include <string>
 
 #include "launch.h"
+#include "mla_constants.h"
 
 static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                     torch::Tensor seq_lens, int64_t q_per_req, double softmax_scale,
@@ -18,11 +19,12 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
                     int64_t head_group, int64_t stream) {
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kBFloat16 && q.is_contiguous(),
               "q must be contiguous bf16 on CUDA");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == 576, "q must be [B*Q, H, 576]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k3mla::kD, "q must be [B*Q, H, ", k3mla::kD, "]");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, "q not 16-aligned");
-  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == 64 && kv_cache.size(2) == 576 &&
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(1) == k3mla::kPage &&
+                  kv_cache.size(2) == k3mla::kD &&
                   kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [pages, 64, 576]");
+              "kv_cache must be contiguous [pages, ", k3mla::kPage, ", ", k3mla::kD, "]");
   const bool fp8 = kv_cache.element_size() == 1;
   TORCH_CHECK(fp8 || kv_cache.scalar_type() == torch::kBFloat16, "kv_cache must be bf16 or fp8");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(kv_cache.data_ptr()) % 16 == 0, "kv_cache not 16-aligned");
@@ -31,8 +33,9 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
               "block_table must be int32 [B, pages] with unit inner stride");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
               "seq_lens must be contiguous int32");
-  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.size(-1) == 512,
-              "out must be contiguous bf16 [.., 512]");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() &&
+                  out.size(-1) == k3mla::kDV,
+              "out must be contiguous bf16 [.., ", k3mla::kDV, "]");
   TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous(), "lse must be fp32");
   TORCH_CHECK(err.scalar_type() == torch::kInt32 && err.numel() >= 4, "err must be int32[4]");
   const int batch = static_cast<int>(block_table.size(0));
@@ -41,7 +44,7 @@ static void forward(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block
     TORCH_CHECK(part_o.scalar_type() == (fp8 ? torch::kHalf : torch::kBFloat16) &&
                     part_lse.scalar_type() == torch::kFloat32,
                 "split scratch must be bf16 (fp16 with an fp8 cache) for O and fp32 for lse");
-    TORCH_CHECK(part_o.numel() >= q.size(0) * q.size(1) * num_splits * 512 &&
+    TORCH_CHECK(part_o.numel() >= q.size(0) * q.size(1) * num_splits * k3mla::kDV &&
                     part_lse.numel() >= q.size(0) * q.size(1) * num_splits,
                 "split scratch too small");
   }
