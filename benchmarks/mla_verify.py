@@ -2,6 +2,19 @@
 
     PYTHONPATH=. python benchmarks/mla_verify.py --json out.json [--heads 12,48,96]
         [--batch 1,32,128] [--ctx 1024,8192,32768] [--kv bf16,fp8] [--configs cuda,n64w8s2]
+    PYTHONPATH=. python benchmarks/mla_verify.py --ab base=/tmp/base[:pair] [--ab ...] ...
+    PYTHONPATH=. python benchmarks/mla_verify.py --breakdown [--timeline] ...
+
+Modes (the cells: --heads x --batch x --ctx, plus --extra; --resident N draws every page from N
+that stay in L2, the kernel's own pace without HBM's):
+- default: the table below.
+- --ab LABEL=DIR[:SCHEDULE] (repeatable): the SM90 kernel built from DIR's sources (a baseline
+  `git show`n from another commit into a folder, with the tree's file list and constants; "." is
+  the tree) against the tree's production build (B), each checked against the fp32 reference and
+  all timed interleaved (CUDA-graph replays round by round, so a lent GPU's drift moves them alike).
+  SCHEDULE: the variant's kernel (default: pick_schedule's).
+- --breakdown: device time of the verify and merge kernels per call (CUPTI records) beside the
+  graph time; --timeline adds, for the pair kernel, per-CTA phase times from its timeline build.
 
 Kernels (--configs): "cuda" = the SM90 CUDA kernel, which the op runs on the H200 (default), and
 Triton configs by name.
@@ -25,16 +38,16 @@ import itertools
 import json
 import math
 import multiprocessing as mp
-import statistics
 import sys
 import time
 
 import torch
 
-from harness import measure
-from harness import command
+from harness import command, measure
+from mla_variants import (D_QK, D_V, Q_ROWS, ab_cell, breakdown_cell, build_variant, graph_time_us,
+                          parse_ab)
 
-Q_ROWS, D_QK, D_V, PAGE = 4, 576, 512, 64
+PAGE = 64
 FP8 = torch.float8_e4m3fn
 # FlashMLA SM90 dense decode, bf16 KV, 4 causal rows, this H200 (shared/anchors/flashmla_h200.md)
 FLASHMLA_US = {
@@ -54,8 +67,7 @@ def flashmla_us(heads: int, batch: int, ctx: int, device: str) -> float | None:
 
 
 def check_resident(pages: int) -> None:
-    """--resident N (mla_ab.py, mla_cuda_once.py, mla_breakdown.py): 0 for the real cache, else a
-    page count."""
+    """--resident N: 0 for the real cache, else a page count."""
     if pages < 0:
         raise SystemExit(f"--resident: {pages} pages (need 0 for the real cache, or > 0)")
 
@@ -113,41 +125,6 @@ def precompile(keys, workers):
     with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         list(pool.map(_warm_one, sorted(keys)))
     print(f"precompiled {len(keys)} kernels in {time.time() - t:.1f}s", flush=True)
-
-
-def capture_graph(fn, calls: int = 10):
-    """fn() run once eagerly and once on a side stream (warm-up, allocator), then `calls` of it
-    captured in a CUDA graph, replayed once."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    return graph
-
-
-def replay_us(graph, calls: int) -> float:
-    """µs per call of one replay of a graph of `calls` calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / calls
-
-
-def graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
-    graph = capture_graph(fn, calls)
-    times = [replay_us(graph, calls) for _ in range(reps)]
-    del graph
-    return statistics.median(times)
 
 
 def torch_verify(q, cache, table, seq_lens, q_rows, scale, kv_scale):
@@ -267,6 +244,35 @@ def print_table(rows, header=True):
     sys.stdout.flush()
 
 
+def cells_by_cache(shapes, kvs, resident):
+    """(kv, cache inputs, heads) for every cell, one cache per (kv, batch, ctx)."""
+    for kv in kvs:
+        for batch, ctx in sorted({(b, c) for _, b, c in shapes}):
+            inp = make_cache(batch, ctx, kv, pages=resident or None)
+            for heads in sorted({h for h, b, c in shapes if (b, c) == (batch, ctx)}):
+                yield kv, inp, heads
+            del inp
+            torch.cuda.empty_cache()
+
+
+def kernel_modes(args, shapes, kvs, ceil):
+    """--ab or --breakdown: rows, printed as they come."""
+    from k3trt.plugins import mla_cuda
+    if args.ab:
+        variants = {label: (mla_cuda.load_extension() if folder == "." else build_variant(folder),
+                            schedule) for label, folder, schedule in parse_ab(args.ab)}
+        variants["B"] = (mla_cuda.load_extension(), None)
+    timeline = build_variant(mla_cuda.SOURCE_DIR, timeline=True) if args.timeline else None
+    rows = []
+    for kv, inp, heads in cells_by_cache(shapes, kvs, args.resident):
+        if args.ab:
+            rows.append(ab_cell(variants, inp, heads, kv, ceil, args.resident))
+        else:
+            rows.append(breakdown_cell(inp, heads, kv, ceil, timeline))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -280,12 +286,34 @@ def main(argv=None):
     ap.add_argument("--extra", default="", help="extra cases H:B:L;… beyond the grid")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--resident", type=int, default=0,
+                    help="draw every page from this many (e.g. 256: 9 MB of fp8, inside L2), so "
+                         "HBM does not bound the kernel")
+    ap.add_argument("--ab", action="append", default=[],
+                    help="LABEL=DIR[:SCHEDULE]: the SM90 kernel built from DIR against the tree's "
+                         "(repeatable; DIR . is the tree)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="device time of the verify and merge kernels beside the graph time")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --breakdown: the pair kernel's per-CTA phase times")
     ap.add_argument("--json", default="mla_verify_h200.json")
     args = ap.parse_args(argv)
+    check_resident(args.resident)
+    parse_ab(args.ab)  # (before any build: a malformed spec fails at once)
+    if args.timeline and not args.breakdown:
+        ap.error("--timeline goes with --breakdown")
 
     kvs, specs = args.kv.split(","), args.configs.split(",")
     shapes = [(h, b, c) for b in args.batch for c in args.ctx for h in args.heads]
     shapes += parse_cells(args.extra, "--extra", sep=";")
+    if args.ab or args.breakdown:
+        ceil = measure()
+        print(json.dumps(ceil), flush=True)
+        rows = kernel_modes(args, shapes, kvs, ceil)
+        with open(args.json, "w") as f:
+            json.dump({"command": command(__file__, argv), "ceilings": ceil,
+                       "resident": args.resident, "rows": rows}, f, indent=1)
+        return
     keys = {}
     for s, kv, h, q, split in itertools.product([x for x in specs if x != "cuda"], kvs,
                                                 {x[0] for x in shapes},
@@ -303,16 +331,12 @@ def main(argv=None):
     import k3trt.plugins.mla_verify  # noqa: F401
 
     rows = []
-    for kv in kvs:
-        for batch, ctx in sorted({(b, c) for _, b, c in shapes}):
-            inp = make_cache(batch, ctx, kv)
-            for heads in sorted({h for h, b, c in shapes if (b, c) == (batch, ctx)}):
-                for i, spec in enumerate(specs):
-                    rows.append(run_case(inp, heads, batch, ctx, kv, spec, ceil,
-                                         baselines=not args.no_baselines and i == 0))
-                    print_table(rows[-1:], header=len(rows) == 1)
-            del inp
-            torch.cuda.empty_cache()
+    for kv, inp, heads in cells_by_cache(shapes, kvs, args.resident):
+        batch, ctx = inp.table.shape[0], int(inp.seq_lens[0])
+        for i, spec in enumerate(specs):
+            rows.append(run_case(inp, heads, batch, ctx, kv, spec, ceil,
+                                 baselines=not args.no_baselines and i == 0))
+            print_table(rows[-1:], header=len(rows) == 1)
     print("\nsummary")
     print_table(rows)
     with open(args.json, "w") as f:

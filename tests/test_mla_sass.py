@@ -1,7 +1,7 @@
 """The SM90 MLA kernels' SASS keeps its wgmmas asynchronous: ptxas may serialise them (a full
-`WARPGROUP.DEPBAR.LE gsb0, 0x0` right after each HGMMA or QGMMA, the fp8 form) to save registers, without a warning and
-while reporting fewer spills. Session 22 measured such builds 16-20% slower (notes v22), so this
-compiles the kernels and counts. Needs nvcc and cuobjdump, not a GPU; skipped without them.
+`WARPGROUP.DEPBAR.LE gsb0, 0x0` right after each HGMMA or QGMMA, the fp8 form) to save registers,
+without a warning and while reporting fewer spills. Such builds are 16-20% slower, so this compiles
+the kernels and counts. Needs nvcc and cuobjdump, not a GPU; skipped without them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from k3trt.plugins import mla_cuda
+from k3trt.plugins.mla_cuda import constants
 
 _DIR = os.path.dirname(mla_cuda.__file__)
 
@@ -35,8 +36,10 @@ def _cuobjdump() -> str | None:
 def _kernels(src: str, tmp_path) -> dict[str, list[str]]:
     """{kernel name: its SASS instructions} of one source compiled for sm_90a."""
     obj = tmp_path / (os.path.basename(src) + ".o")
+    include = constants.write_header(str(tmp_path / "include"))  # mla_constants.h, as the build
     subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
-                    "-I", _DIR, "-c", src, "-o", str(obj)], check=True, capture_output=True)
+                    "-I", _DIR, "-I", include, "-c", src, "-o", str(obj)], check=True,
+                   capture_output=True)
     sass = subprocess.run([_cuobjdump(), "-sass", str(obj)], check=True, capture_output=True,
                           text=True).stdout
     out: dict[str, list[str]] = {}
@@ -72,7 +75,7 @@ def test_serialised_counts_a_full_wait():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None,
                     reason="needs nvcc and cuobjdump")
-@pytest.mark.parametrize("src", ["mla_verify_sm90_swap.cu"])
+@pytest.mark.parametrize("src", ["swap.cu"])
 def test_wgmmas_not_serialised(src, tmp_path):
     kernels = _kernels(os.path.join(_DIR, src), tmp_path)
     names = [k for k in kernels if "mla_verify_sm90" in k]
@@ -82,7 +85,7 @@ def test_wgmmas_not_serialised(src, tmp_path):
         # as landed: 16 HGMMAs (O^T) and 18 QGMMAs (S^T), 1 full wait (the end of a block's S^T); a
         # serialised build has one after nearly every wgmma
         assert n >= 34 and full <= 4, f"{name}: {full} of {n} wgmmas followed by a full wait"
-        # and no spills: at setmaxnreg 144 the value loop's counted refill spilled 44 B that ptxas
-        # reloaded every block (session 24)
+        # and no spills: at setmaxnreg 144 the value loop's counted refill spills 44 B that ptxas
+        # reloads every block
         local = [op for op in kernels[name] if re.match(r"(@!?U?P\w+ )?(STL|LDL)", op)]
         assert not local, f"{name}: {len(local)} local-memory accesses, e.g. {local[0]}"

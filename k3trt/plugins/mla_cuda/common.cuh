@@ -1,5 +1,6 @@
-// Shared pieces of the SM90 MLA verification kernels (mla_verify_sm90.cu, mla_verify_sm90_pair.cu):
-// the problem's constants, the kernel parameters and inline-PTX helpers (mbarriers, TMA, wgmma
+// Shared pieces of the SM90 MLA verification kernels (pair.cu, swap.cu, merge.cu): the derived
+// constants (the problem's own come from mla_constants.h, generated from constants.py at build
+// time), the kernel parameters, the split rule, and inline-PTX helpers (mbarriers, TMA, wgmma
 // fences and descriptors, the 128-byte swizzle).
 #pragma once
 
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "mla_constants.h"
 #include "wgmma_ops.cuh"
 
 #ifndef MLA_WAIT_TIMEOUT_NS
@@ -20,25 +22,10 @@
 
 namespace k3mla {
 
-constexpr int kPage = 64;                 // tokens per page = per block
-constexpr int kD = 576;                   // latent width (kv_c | rope)
-constexpr int kDV = 512;                  // value columns
 constexpr int kChunks = kD / 64;          // 9 chunks of 64 columns
 constexpr int kChunkBytes = 64 * 128;     // 64 rows x 128 B (bf16/fp16)
 constexpr int kBlockBytes = kChunks * kChunkBytes;  // 73728
 constexpr int kThreads = 256;
-constexpr int kSwapMaxRows = 48;      // rows a CTA of the swap kernel takes (its MMA's N)
-// Heads a swap CTA takes: the most that divide `heads` with q_per_req x them <= kSwapMaxRows (12 at
-// Q = 4 for 12, 48 and 96 heads; 0 if q_per_req > kSwapMaxRows). The grid's x is heads / it: a
-// request's head groups read the same pages, at about the same time (mostly from L2). Mirrored by
-// swap_head_group in __init__.py.
-__host__ __device__ constexpr int swap_head_group(int q_per_req, int heads) {
-  int g = q_per_req > 0 ? kSwapMaxRows / q_per_req : 0;
-  g = g < heads ? g : heads;
-  while (g > 1 && heads % g != 0) --g;
-  return g;
-}
-
 // How a request spreads over the grid's splits (active_splits): all num_splits when it has at least
 // full_blocks pages per split (the extra waves of CTAs and their partials are then paid for);
 // else min_blocks pages per split at least, over at most wave_splits splits (the most that keep the
@@ -127,8 +114,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int* er
 // The KV stream is read once per call at 12 heads: evict-first keeps it from pushing the small,
 // reused data (block table, lengths, Q, split partials) out of L2: 2-5% at batch 32 (8K, 2K, 1K),
 // 1-3% at batch 128 / 1K. It costs 0.5-1.5% at 48 / 96 heads, batch 128, 1K, whose M tiles read
-// the same pages in different waves; picking the policy at run time was slower everywhere (the
-// branch at each issue), so all cells take evict-first (mla_ab_h200.json runs 7, 9, 10).
+// the same pages in different waves; picking the policy at run time is slower everywhere (the
+// branch at each issue), so all cells take evict-first.
 // kEvictFirst = false: no cache hint (the pair kernel's Q tile, which every split of its M tile
 // reads).
 template <bool kEvictFirst = true>
@@ -261,14 +248,14 @@ __device__ __forceinline__ bool warpgroup_any(bool v, int id) {
 // P: no range concern) and the rescale factors are exactly 1 on almost every block, which lets a
 // warp skip the 128-register rescale of its accumulator (lsum and O share the stale max, so the
 // result is the same; LSE = m + log2 l whatever m is). +3 to +10% at 24-96 heads in bf16, +1 to
-// +3% in fp8 (mla_ab_h200.json run 28).
+// +3% in fp8.
 constexpr float kLazyMax = 8.f;
 __device__ __forceinline__ float lazy_max(float m_run, float mx) {
   return mx > m_run + kLazyMax ? mx : m_run;  // (m_run = -inf: any finite mx)
 }
 // the factor taking a row's sums from max m_old to m_new >= m_old: exactly 1 when the max did not
-// move, and when it was -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
-// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 did not)
+// move, and when it is -inf (nothing seen yet: the sums are 0, so any factor is right, and 1 lets
+// the padding rows of a 12-head tile skip their rescale, which exp2(-inf - 0) = 0 would not)
 __device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
   return m_old == m_new || m_old == -INFINITY ? 1.f : fast_exp2(m_old - m_new);
 }
@@ -291,7 +278,6 @@ __device__ __forceinline__ int sw128_off(int row, int piece) {
 // 2 fp8-e4m3 (the low or, kHigh, the high 16 bits of v) -> 2 fp16 (one u32). Through PTX's
 // half-register operand ptxas picks the half with F2FP's .H1 selector; the intrinsic on v >> 16 cost
 // one more integer instruction per pair, and the fp8 expansion is bound by its issue slots
-// (mla_ab_h200.json runs 30-32)
 template <bool kHigh>
 __device__ __forceinline__ uint32_t e4m3x2_to_h2(uint32_t v) {
   uint32_t d;
@@ -329,52 +315,6 @@ __device__ __forceinline__ void visible_lengths(const Params& p, int n, int m0, 
   }
 }
 
-// Q rows m0.. of the tile, in two steps: load() issues every global load of the tile into registers,
-// store() writes them to shared memory at dst as chunks 0..kChunksQ-1 of 64 columns, each 64 rows x
-// 128 B with the 128-byte swizzle (the wgmma A layout); rows past the request's are zero. Issuing
-// all loads before the first store makes the tile cost one memory latency rather than one per
-// piece. (The shared-block kernel's Q; the pair kernel's comes by TMA, which took the KV stream's
-// start from 2.3 to 0.85 us after a CTA's entry.) kToF16: bf16 -> fp16 scaled by 1/16 (the fp8
-// path's Q; the kernel folds the 16 back into its softmax scale).
-template <int kChunksQ>
-struct QTileRegs {
-  static constexpr int kRowPieces = kChunksQ * 8;          // 16-byte pieces per row
-  static constexpr int kPer = 64 * kRowPieces / kThreads;  // per thread
-  static_assert(64 * kRowPieces % kThreads == 0, "Q pieces must split evenly over the threads");
-  uint4 v[kPer];
-
-  __device__ __forceinline__ void load(const Params& p, long row_base, int m0, int tid) {
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(p.q);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int i = tid + kThreads * k;
-      const int r = i / kRowPieces, pc = i % kRowPieces;
-      v[k] = m0 + r < p.rows_per_req
-                 ? __ldg(reinterpret_cast<const uint4*>(q + (row_base + r) * kD + pc * 8))
-                 : make_uint4(0, 0, 0, 0);
-    }
-  }
-  template <bool kToF16>
-  __device__ __forceinline__ void store(uint32_t dst, int tid) const {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int i = tid + kThreads * k;
-      const int r = i / kRowPieces, pc = i % kRowPieces;
-      uint4 w = v[k];
-      if (kToF16) w = bf16x8_to_f16x8_div16(w);
-      st_shared(dst + (pc >> 3) * kChunkBytes + sw128_off(r, pc & 7), w);
-    }
-  }
-};
-
-template <int kChunksQ, bool kToF16>
-__device__ __forceinline__ void load_q_tile(const Params& p, uint32_t dst, long row_base, int m0,
-                                            int tid) {
-  QTileRegs<kChunksQ> q;
-  q.load(p, row_base, m0, tid);
-  q.template store<kToF16>(dst, tid);
-}
-
 // 16 fp8-e4m3 (two u32 pairs) -> 8 fp16 (one uint4)
 __device__ __forceinline__ uint4 e4m3x8_to_h8(uint32_t lo, uint32_t hi) {
   return make_uint4(e4m3x2_to_h2<false>(lo), e4m3x2_to_h2<true>(lo), e4m3x2_to_h2<false>(hi),
@@ -392,8 +332,8 @@ __device__ __forceinline__ int active_splits(int n, int num_splits, const SplitR
 // The blocks [blo, blo + nblk) that split `split` of a request of n tokens reads (nblk = 0 past its
 // active splits). A request on one split (active == 1) needs no merge: that CTA writes the bf16
 // output itself and the merge kernel skips the request's rows (at 48 heads, batch 32, 1K context
-// every request is on one of the plan's four splits, and the fp32 partials and the merge took 10
-// of 53 us).
+// every request is on one of the plan's four splits, and fp32 partials and the merge would take
+// 10 of 53 us).
 struct SplitRange {
   int n, blo, nblk, active;
   __device__ __forceinline__ bool split_out() const { return active > 1; }
@@ -408,7 +348,7 @@ __device__ __forceinline__ SplitRange split_range(const Params& p, int n, int sp
 
 // Scale a score tile by `scale` and mask it (token >= visible length -> -inf, which also replaces
 // NaN read from slots past the length); mx = the rows' maxima over the quad. kGroups 8-token column
-// groups of the wgmma accumulator: 8 for a 64-token tile (pair), 4 for 32 (shared).
+// groups of the wgmma accumulator (8: the pair kernel's 64-token tile).
 template <int kGroups>
 __device__ __forceinline__ void mask_rowmax(float* s, int tok0, const int* vis, float scale,
                                             int quad, float* mx) {
@@ -462,7 +402,7 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
                     tid);
 }
 
-// Epilogue shared by the kernels: warpgroup wg holds columns 256wg.. of its rows r0, r0+8 in acc
+// The pair kernel's epilogue: warpgroup wg holds columns 256wg.. of its rows r0, r0+8 in acc
 // (the wgmma m64n256 accumulator layout) and per-thread partial row sums, all relative to the
 // row max `row_max`; total the sums over the quad and both warpgroups (through `ssum`, 128
 // floats, and named barrier bar_id), normalise, and write 16-bit rows + LSE: the bf16 output, or
@@ -471,8 +411,8 @@ __device__ __forceinline__ void write_unseen(const Params& p, long row_base, int
 // |O| <= 448, so fp16 cannot overflow; the merge applies kv_scale), which keeps fp8's error at its
 // fp16 level. The tile goes through shared memory at `stage` (64 KB, free once both warpgroups are
 // past their last Q·K^T: the Q tile) so that it leaves in whole 16-byte rows' pieces: written
-// straight from the accumulator layout, a warp's store covered 16 bytes of each of 8 rows, half a
-// sector, and the epilogue took 6-9 us at 48-96 heads (mla_breakdown.py --timeline). 16-bit
+// straight from the accumulator layout, a warp's store covers 16 bytes of each of 8 rows, half a
+// sector, and the epilogue takes 6-9 us at 48-96 heads (the timeline build). 16-bit
 // partials halve the bytes written and read back by the merge (up to 113 partials a row at batch
 // 1: 3-11% there) and add one rounding to the result, which is bf16 anyway. `mark(i)` runs at its
 // steps (i = 0: the row sums exchanged, 1: the tile staged); the timeline build stamps them, the
@@ -546,15 +486,5 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
-
-// launches the pair-schedule kernel (mla_verify_sm90_pair.cu); q_map: Q as [B*Q*H, 576] bf16 rows,
-// 64x64 boxes, 128-byte swizzle; a CUDA error code
-cudaError_t launch_pair(const CUtensorMap& kv_map, const CUtensorMap& q_map, const Params& p,
-                        dim3 grid, bool fp8, cudaStream_t stream);
-// launches the swap-AB kernel (mla_verify_sm90_swap.cu: fp8 cache, rows_per_req <= 48); kv128 /
-// kv64: the raw cache as [pages*64, 576] bytes in 128-byte boxes with the 128-byte swizzle / 64-byte
-// boxes with the 64-byte swizzle (the rope chunk, read by wgmma as it lies)
-cudaError_t launch_swap(const CUtensorMap& kv128, const CUtensorMap& kv64, const Params& p,
-                        dim3 grid, cudaStream_t stream);
 
 }  // namespace k3mla

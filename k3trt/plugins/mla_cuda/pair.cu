@@ -24,14 +24,26 @@
 // free until the first P_B), two 72 KB stages, P_A and P_B (8 KB each), row statistics and 19
 // mbarriers (9 per stage, 1 for the Q tile). fp8 cache: TMA lands the raw bytes in the upper
 // half of each 8 KB chunk slot and the warpgroup that multiplies the block expands it in place to
-// fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16). Same split-K, masking,
-// NaN-safety and output contract as mla_verify_sm90.cu, whose header explains them.
+// fp16 (Q, P and the MMAs then run in fp16, Q pre-scaled by 1/16).
+//
+// The contract both verify kernels keep. One CTA = (M tile or head group of one request, split of
+// its KV sequence); the split rule (SplitRange, common.cuh) gives it blocks [blo, blo + nblk).
+// Scores of tokens past a row's visible length are -inf (which also replaces NaN read from cache
+// slots past the length), and the value rows of those slots are zeroed before P·V (0 * NaN would
+// poison it). The epilogue writes O (bf16) and LSE, or with split-K a 16-bit partial (bf16; fp16 in
+// the cache's units for an fp8 cache) + fp32 LSE per split ([rows, splits, 512]) that the merge
+// (merge.cu) combines. A request the split rule keeps on one split gets its bf16 O and LSE from that
+// CTA, and the merge skips its rows. The verify kernels call pdl_launch_dependents at entry so the
+// merge's CTAs start while their last ones run. Every mbarrier wait is bounded
+// (MLA_WAIT_TIMEOUT_NS): on a timeout the kernel records a code (kErr*, mla_constants.h) in `err`
+// and carries on with garbage instead of hanging the GPU, so a broken pipeline shows up as a
+// readable error, not a stuck process.
 
-#include "sm90_common.cuh"
+#include "kernels.h"
 
 namespace k3mla {
 
-// Diagnostic build (-DMLA_TIMELINE, mla_cuda.load_extension(timeline=True)): per-CTA phase stamps,
+// Timeline build (-DMLA_TIMELINE, built by benchmarks/mla_verify.py --timeline): per-CTA stamps,
 // read back by timeline_copy. Slots: 0 globaltimer at entry, 1..7 clock64 at entry / barriers ready
 // / Q loaded / first score tile / WG0 loop end / WG1 loop end / epilogue end, 8 globaltimer at exit,
 // 9 SM id, 10..11 clock64 inside the epilogue (store_rows: row sums exchanged / tile staged, output
@@ -134,7 +146,7 @@ __device__ __forceinline__ void qk_block(float* s, uint32_t sbase, uint32_t kv, 
 #pragma unroll
       for (int u = 0; u < 3; ++u) {
         const int c = chunk_at<kFirst>(3 * g + u);
-        mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
+        mbar_wait(bars + 8 * c, parity, err, kErrKvChunk, blk, c);
 #pragma unroll
         for (int k = 0; k < 2; ++k) {  // 16-byte piece x of 256: row x/4, fp8 columns 16(x%4)..
           const int x = t + 128 * k;
@@ -161,7 +173,7 @@ __device__ __forceinline__ void qk_block(float* s, uint32_t sbase, uint32_t kv, 
     for (int u = 0; u < 3; ++u) {
       const int c = chunk_at<kFirst>(3 * g + u);
       if (!kFp8) {
-        mbar_wait(bars + 8 * c, parity, err, 1, blk, c);
+        mbar_wait(bars + 8 * c, parity, err, kErrKvChunk, blk, c);
         wgmma_fence();
       }
 #pragma unroll
@@ -284,6 +296,269 @@ __device__ __forceinline__ void zero_tail(uint32_t stage, int half, int valid, i
   fence_proxy_async();
 }
 
+// TMA of block blk's value chunks c_lo..c_hi (and the rope chunk, with `rope`) into its stage
+template <bool kFp8>
+struct KvIssue {
+  const CUtensorMap* map;
+  uint32_t sbase, bar0;
+  __device__ __forceinline__ void operator()(int blk, int page, int c_lo, int c_hi, bool rope) const {
+    const int stage = blk & 1;
+    for (int c = c_lo; c <= (rope ? c_hi + 1 : c_hi); ++c) {
+      const int cc = c > c_hi ? 8 : c;
+      const uint32_t bar = bar0 + 8 * (stage * kChunks + cc);
+      mbar_expect_tx(bar, kFp8 ? kChunkBytes / 2 : kChunkBytes);  // fp8: upper half of the slot
+      tma_load_2d(sbase + kSmemKV + stage * kBlockBytes + cc * kChunkBytes + (kFp8 ? kChunkBytes / 2 : 0),
+                  map, cc * 64, page * kPage, bar);
+    }
+  }
+};
+
+// What both warpgroups' loops read: the CTA's blocks [blo, blo + nblk) of a request of n tokens,
+// its pages, shared memory and this thread's place in the accumulator layout.
+struct Loop {
+  const int* bt;
+  int nblk, blo, n, npairs, tail_blk;  // tail_blk: local index of the sequence's last block
+  uint32_t sbase, bar0, kv0, kv1;
+  uint32_t sMA, sMB;           // this thread's rows of the two warpgroups' maxima
+  int t, quad, r0, wg;
+};
+
+// The Q tile's rope chunk as the A fragment of its four Q·K^T wgmmas (q8, from P_B's tile where TMA
+// landed it); fp8: Q / 16 in fp16, the fragment and the tile in place (elementwise: the swizzle
+// holds).
+template <bool kFp8>
+__device__ __forceinline__ void q_prologue(uint32_t sbase, uint32_t* q8, int tid, int r0, int quad) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_shared_u32(sbase + kSmemPB + frag_off(k, i, r0, quad));
+      q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
+    }
+  if (kFp8) {
+#pragma unroll 4
+    for (int i = tid; i < 8 * kChunkBytes / 16; i += kThreads) {
+      const uint32_t a = sbase + kSmemQ + 16 * i;
+      st_shared(a, bf16x8_to_f16x8_div16(ld_shared_v4(a)));
+    }
+    fence_proxy_async();
+  }
+}
+
+// Warpgroup 0: block A = 2j of each pair. Q·K^T(A), softmax against the running max (published for
+// warpgroup 1), P_A · V_A[:, 0:256] from registers; then, with warpgroup 1's max after B, P_A
+// rescaled to the pair's max into shared memory for warpgroup 1, and P_B · V_B[:, 0:256] from
+// shared memory. It refills chunks 0..3 (+ A's rope chunk) of each stage once its wgmmas on them
+// retired.
+template <bool kFp8>
+__device__ __forceinline__ void wg0_pairs(const Params& p, const Loop& L, const KvIssue<kFp8>& issue,
+                                          const uint32_t* q8, const int* vis, float* acc, float* s,
+                                          float* m_run, float* lsum) {
+  const int t = L.t, quad = L.quad, r0 = L.r0;
+  uint32_t pa[16];
+#pragma unroll 1
+  for (int j = 0; j < L.npairs; ++j) {
+    const int ia = 2 * j, ib = ia + 1;
+    const bool has_b = ib < L.nblk;
+    qk_block<0, kFp8>(s, L.sbase, L.kv0, L.bar0, j & 1, q8, p.err, L.blo + ia, t, L.wg);
+    wgmma_wait<0>();
+    MLA_STAMP(t == 0 && j == 0, 4, clock_now());
+#pragma unroll
+    for (int k = 0; k < 32; ++k) pin(s[k]);
+    int pg_a = 0, pg_b = 0;  // pages of the next pair (read early, used after the frees)
+    if (t == 0) {
+      if (ia + 2 < L.nblk) pg_a = __ldg(L.bt + ia + 2);
+      if (ib + 2 < L.nblk) pg_b = __ldg(L.bt + ib + 2);
+    }
+    // softmax of A against the running max
+    float mx[2], mu[2], sa[2], ps[2], ma[2];
+    mask_rowmax<8>(s, (L.blo + ia) * kPage, vis, p.scale_log2, quad, mx);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ma[h] = lazy_max(m_run[h], mx[h]);
+      mu[h] = ma[h] == -INFINITY ? 0.f : ma[h];
+      sa[h] = rescale_factor(m_run[h], ma[h]);
+    }
+    if (quad == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) st_shared(L.sMA + 32 * h, ma[h]);
+    }
+    named_arrive(kBarAReady);
+    exp_rows(s, mu, ps);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * sa[h] + ps[h];
+    if (warp_not_one(sa)) scale_acc(acc, sa);
+    pack_a<kFp8>(s, pa);
+    if (ia == L.tail_blk) zero_tail(L.kv0, 0, L.n - (L.blo + ia) * kPage, t);
+    pv_regs<kFp8>(acc, pa, L.kv0, 0);
+
+    // the pair's max (ours after A, WG1's after B) -> P_A rescaled to it for WG1, and our
+    // accumulator too
+    named_bar(kBarBReady, kThreads);
+    float sb[2];
+    pair_max(ma, L.sMB, m_run, sb);
+    // (fp8: always; the branch there costs warpgroup 0 registers that it spills)
+    const bool rescale_b = kFp8 || warp_not_one(sb);
+    store_p_scaled<kFp8>(L.sbase + kSmemPA, pa, sb, rescale_b, r0, quad);
+    fence_proxy_async();
+    named_arrive(kBarPAWritten);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < 128; ++k) pin(acc[k]);
+    if (t == 0 && ia + 2 < L.nblk) issue(ia + 2, pg_a, 0, 3, true);  // chunks 0..3 and rope
+    if (rescale_b) scale_acc(acc, sb);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lsum[h] *= sb[h];
+
+    named_bar(kBarWG1Issued, kThreads);
+    if (has_b) {
+      if (ib == L.tail_blk) zero_tail(L.kv1, 0, L.n - (L.blo + ib) * kPage, t);
+      pv_smem<kFp8>(acc, L.sbase + kSmemPB, L.kv1, 0);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int k = 0; k < 128; ++k) pin(acc[k]);
+      if (t == 0 && ib + 2 < L.nblk) issue(ib + 2, pg_b, 0, 3, false);
+    }
+  }
+  MLA_STAMP(t == 0, 5, clock_now());
+}
+
+// Warpgroup 1, bf16 cache: softmax of B against warpgroup 0's max after A (the pair's max is ours
+// after B), P_B to shared memory for warpgroup 0, P_B · V_B[:, 256:512] from registers.
+__device__ __forceinline__ void wg1_softmax_b(const Params& p, const Loop& L, int ib, bool has_b,
+                                              const float* mx, float* acc, float* s, float* m_run,
+                                              float* lsum, uint32_t* pb) {
+  float mb[2], mu[2];
+  named_bar(kBarAReady, kThreads);
+  float f[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float ma = ld_shared_f32(L.sMA + 32 * h);
+    mb[h] = has_b ? lazy_max(ma, mx[h]) : ma;
+    mu[h] = mb[h] == -INFINITY ? 0.f : mb[h];
+    f[h] = rescale_factor(m_run[h], mb[h]);
+    m_run[h] = mb[h];
+  }
+  if (L.quad == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) st_shared(L.sMB + 32 * h, mb[h]);
+  }
+  named_arrive(kBarBReady);
+  if (warp_not_one(f)) scale_acc(acc, f);
+  if (has_b) {
+    float ps[2];
+    exp_rows(s, mu, ps);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * f[h] + ps[h];
+    pack_a<false>(s, pb);
+    store_p<false>(L.sbase + kSmemPB, pb, nullptr, L.r0, L.quad);
+    if (ib == L.tail_blk) zero_tail(L.kv1, 1, L.n - (L.blo + ib) * kPage, L.t);
+    fence_proxy_async();
+    pv_regs<false>(acc, pb, L.kv1, 1);
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lsum[h] *= f[h];
+  }
+}
+
+// Warpgroup 1, fp8 cache: softmax of B against our own running max, without waiting for WG0's
+// max of A. B's P·V is issued first, and only when A moved the max past ours (rare, with lazy
+// rescaling) is our accumulator rescaled after it (which needs the wgmma's completion, so the
+// whole warpgroup votes). P_B is stored for WG0 after kBarAReady, which WG0 reaches only once its
+// P·V has read the previous P_B. This order leaves the fp8 build without spills (the bf16 order
+// spills 28 / 52 bytes there) and is 1-3% faster in fp8; in bf16 it is 1-2.5% slower.
+__device__ __forceinline__ void wg1_softmax_b_fp8(const Params& p, const Loop& L, int ib,
+                                                  bool has_b, const float* mx, float* acc,
+                                                  float* s, float* m_run, float* lsum,
+                                                  uint32_t* pb) {
+  float mb[2], mu[2];
+  float sb[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mb[h] = has_b ? lazy_max(m_run[h], mx[h]) : m_run[h];
+    mu[h] = mb[h] == -INFINITY ? 0.f : mb[h];
+    sb[h] = rescale_factor(m_run[h], mb[h]);
+  }
+  if (L.quad == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) st_shared(L.sMB + 32 * h, mb[h]);
+  }
+  named_arrive(kBarBReady);
+  // (nothing is in flight here; without this wait ptxas cannot tell, and serialises every
+  // wgmma of the kernel: C7515)
+  wgmma_wait<0>();
+  if (warp_not_one(sb)) scale_acc(acc, sb);
+  if (has_b) {
+    float ps[2];
+    exp_rows(s, mu, ps);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * sb[h] + ps[h];
+    pack_a<true>(s, pb);
+    if (ib == L.tail_blk) zero_tail(L.kv1, 1, L.n - (L.blo + ib) * kPage, L.t);
+    pv_regs<true>(acc, pb, L.kv1, 1);
+  }
+  // the pair's max: WG0's after A and ours after B
+  named_bar(kBarAReady, kThreads);
+  float fb[2];
+  pair_max(mb, L.sMA, m_run, fb);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) lsum[h] *= fb[h];
+  const bool rescale = warp_not_one(fb);
+  if (has_b) {
+    store_p_scaled<true>(L.sbase + kSmemPB, pb, fb, rescale, L.r0, L.quad);
+    fence_proxy_async();
+  }
+  if (warpgroup_any(rescale, kBarWG1Vote)) {
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < 128; ++k) pin(acc[k]);
+    if (rescale) scale_acc(acc, fb);
+  }
+}
+
+// Warpgroup 1: block B = 2j + 1 of each pair. Q·K^T(B), B's softmax and P_B · V_B[:, 256:512]
+// (wg1_softmax_b / _fp8), then P_A' · V_A[:, 256:512] from the tile warpgroup 0 wrote. It refills
+// chunks 4..7 (+ B's rope chunk) of each stage once its wgmmas on them retired.
+template <bool kFp8>
+__device__ __forceinline__ void wg1_pairs(const Params& p, const Loop& L, const KvIssue<kFp8>& issue,
+                                          const uint32_t* q8, const int* vis, float* acc, float* s,
+                                          float* m_run, float* lsum) {
+  const int t = L.t, quad = L.quad;
+  uint32_t pb[16];
+#pragma unroll 1
+  for (int j = 0; j < L.npairs; ++j) {
+    const int ia = 2 * j, ib = ia + 1;
+    const bool has_b = ib < L.nblk;
+    if (has_b) {
+      qk_block<4, kFp8>(s, L.sbase, L.kv1, L.bar0 + 8 * kChunks, j & 1, q8, p.err, L.blo + ib,
+                        t, L.wg);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int k = 0; k < 32; ++k) pin(s[k]);
+    }
+    int pg_a = 0, pg_b = 0;
+    if (t == 0) {
+      if (ia + 2 < L.nblk) pg_a = __ldg(L.bt + ia + 2);
+      if (ib + 2 < L.nblk) pg_b = __ldg(L.bt + ib + 2);
+    }
+    float mx[2];
+    if (has_b) mask_rowmax<8>(s, (L.blo + ib) * kPage, vis, p.scale_log2, quad, mx);
+    if (!kFp8) wg1_softmax_b(p, L, ib, has_b, mx, acc, s, m_run, lsum, pb);
+    else wg1_softmax_b_fp8(p, L, ib, has_b, mx, acc, s, m_run, lsum, pb);
+    named_bar(kBarPAWritten, kThreads);
+    if (ia == L.tail_blk) zero_tail(L.kv0, 1, L.n - (L.blo + ia) * kPage, t);
+    pv_smem<kFp8>(acc, L.sbase + kSmemPA, L.kv0, 1);
+    named_arrive(kBarWG1Issued);
+    wgmma_wait<1>();  // the local P·V of B (without B only one group is pending)
+    if (t == 0 && has_b && ib + 2 < L.nblk) issue(ib + 2, pg_b, 4, 7, true);  // 4..7 and rope
+    wgmma_wait<0>();
+#pragma unroll
+    for (int k = 0; k < 128; ++k) pin(acc[k]);
+    if (t == 0 && ia + 2 < L.nblk) issue(ia + 2, pg_a, 4, 7, false);
+  }
+  MLA_STAMP(t == 0, 6, clock_now());
+}
+
 }  // namespace pair
 
 template <bool kFp8>
@@ -315,11 +590,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 288 of 384 CTAs have none): chunks 0..7 to shared memory, the rope chunk 8 to P_B's tile (free
   // until warpgroup 1's first P_B), from where each thread reads its A fragment of the chunk's four
   // Q·K^T wgmmas into registers (q8). Through registers, Q's 32 loads a thread queued ahead of the
-  // length and the first page, so the KV stream started 2.3 us after entry at 48 heads, batch 32,
-  // 1K context; now 0.85 us (mla_breakdown.py --timeline). Issuing Q at entry, before the length,
-  // was no faster and made the fp8 instance spill more (mla_ab_h200.json, session 10). The last
-  // M tile's rows past the request hold the next request's Q (zeros past the tensor): their
-  // visible length is 0, so their scores are masked, and they are never stored.
+  // length and the first page, and the KV stream started 2.3 us after entry at 48 heads, batch 32,
+  // 1K context; by TMA, 0.85 us (the timeline build). Issuing Q at entry, before the length, is no
+  // faster and makes the fp8 instance spill more. The last M tile's rows past the request hold
+  // the next request's Q (zeros past the tensor): their visible length is 0, so their scores are
+  // masked, and they are never stored.
   auto issue_q = [&] {
     mbar_expect_tx(qbar, kChunks * kChunkBytes);
     for (int c = 0; c < kChunks; ++c)
@@ -343,38 +618,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // the mbarriers are initialised
   MLA_STAMP(tid == 0, 2, clock_now());
 
-  auto issue = [&](int blk, int page, int c_lo, int c_hi, bool rope) {
-    const int stage = blk & 1;
-    for (int c = c_lo; c <= (rope ? c_hi + 1 : c_hi); ++c) {
-      const int cc = c > c_hi ? 8 : c;
-      const uint32_t bar = bar0 + 8 * (stage * kChunks + cc);
-      mbar_expect_tx(bar, kFp8 ? kChunkBytes / 2 : kChunkBytes);  // fp8: upper half of the slot
-      tma_load_2d(sbase + kSmemKV + stage * kBlockBytes + cc * kChunkBytes + (kFp8 ? kChunkBytes / 2 : 0),
-                  &kv_map, cc * 64, page * kPage, bar);
-    }
-  };
+  const KvIssue<kFp8> issue{&kv_map, sbase, bar0};
   if (tid == 0) {
     issue(0, __ldg(bt), 0, 7, true);
     if (nblk > 1) issue(1, __ldg(bt + 1), 0, 7, true);
   }
 
-  mbar_wait(qbar, 0, p.err, 2, 0, 0);
-  uint32_t q8[16];  // the rope chunk's A fragment (frag_off)
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t v = ld_shared_u32(sbase + kSmemPB + frag_off(k, i, r0, quad));
-      q8[4 * k + i] = kFp8 ? bf16x2_to_f16x2_div16(v) : v;
-    }
-  if (kFp8) {  // the fp8 path's MMAs run in fp16: Q / 16 in place (elementwise: the swizzle holds)
-#pragma unroll 4
-    for (int i = tid; i < 8 * kChunkBytes / 16; i += kThreads) {
-      const uint32_t a = sbase + kSmemQ + 16 * i;
-      st_shared(a, bf16x8_to_f16x8_div16(ld_shared_v4(a)));
-    }
-    fence_proxy_async();
-  }
+  mbar_wait(qbar, 0, p.err, kErrQTile, 0, 0);
+  uint32_t q8[16];
+  q_prologue<kFp8>(sbase, q8, tid, r0, quad);
   __syncthreads();  // q8 read before P_B is written; fp8: Q converted
   MLA_STAMP(tid == 0, 3, clock_now());
 
@@ -387,197 +639,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   float s[32];
   float m_run[2] = {-INFINITY, -INFINITY};
   float lsum[2] = {0.f, 0.f};
-  // this thread's rows in the shared row statistics (32-bit shared addresses)
+  const uint32_t kv0 = sbase + kSmemKV;
   const uint32_t sMA = sbase + kSmemMA + 4 * r0, sMB = sbase + kSmemMB + 4 * r0;
-  const uint32_t kv0 = sbase + kSmemKV, kv1 = kv0 + kBlockBytes;
+  const uint32_t kv1 = kv0 + kBlockBytes;
   const int npairs = (nblk + 1) / 2;
-  const int tail_blk = (n - 1) / kPage - blo;  // local index of the sequence's last block
+  const int tail_blk = (n - 1) / kPage - blo;
+  const Loop loop{bt, nblk, blo, n, npairs, tail_blk, sbase, bar0, kv0, kv1, sMA, sMB, t, quad, r0, wg};
 
   // (each warpgroup's Q·K^T of its next block opens its loop body: one call site, so that the
   // compiler does not cache the descriptors of two copies in local memory)
-  if (wg == 0) {
-    uint32_t pa[16];
-#pragma unroll 1
-    for (int j = 0; j < npairs; ++j) {
-      const int ia = 2 * j, ib = ia + 1;
-      const bool has_b = ib < nblk;
-      qk_block<0, kFp8>(s, sbase, kv0, bar0, j & 1, q8, p.err, blo + ia, t, wg);
-      wgmma_wait<0>();
-      MLA_STAMP(t == 0 && j == 0, 4, clock_now());
-#pragma unroll
-      for (int k = 0; k < 32; ++k) pin(s[k]);
-      int pg_a = 0, pg_b = 0;  // pages of the next pair (read early, used after the frees)
-      if (t == 0) {
-        if (ia + 2 < nblk) pg_a = __ldg(bt + ia + 2);
-        if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
-      }
-      // softmax of A against the running max
-      float mx[2], mu[2], sa[2], ps[2], ma[2];
-      mask_rowmax<8>(s, (blo + ia) * kPage, vis, p.scale_log2, quad, mx);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ma[h] = lazy_max(m_run[h], mx[h]);
-        mu[h] = ma[h] == -INFINITY ? 0.f : ma[h];
-        sa[h] = rescale_factor(m_run[h], ma[h]);
-      }
-      if (quad == 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) st_shared(sMA + 32 * h, ma[h]);
-      }
-      named_arrive(kBarAReady);
-      exp_rows(s, mu, ps);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * sa[h] + ps[h];
-      if (warp_not_one(sa)) scale_acc(acc, sa);
-      pack_a<kFp8>(s, pa);
-      if (ia == tail_blk) zero_tail(kv0, 0, n - (blo + ia) * kPage, t);
-      pv_regs<kFp8>(acc, pa, kv0, 0);
-
-      // the pair's max (ours after A, WG1's after B) -> P_A rescaled to it for WG1, and our
-      // accumulator too
-      named_bar(kBarBReady, kThreads);
-      float sb[2];
-      pair_max(ma, sMB, m_run, sb);
-      // (fp8: always; the branch there costs warpgroup 0 registers that it spills)
-      const bool rescale_b = kFp8 || warp_not_one(sb);
-      store_p_scaled<kFp8>(sbase + kSmemPA, pa, sb, rescale_b, r0, quad);
-      fence_proxy_async();
-      named_arrive(kBarPAWritten);
-      wgmma_wait<0>();
-#pragma unroll
-      for (int k = 0; k < 128; ++k) pin(acc[k]);
-      if (t == 0 && ia + 2 < nblk) issue(ia + 2, pg_a, 0, 3, true);  // chunks 0..3 and rope
-      if (rescale_b) scale_acc(acc, sb);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) lsum[h] *= sb[h];
-
-      named_bar(kBarWG1Issued, kThreads);
-      if (has_b) {
-        if (ib == tail_blk) zero_tail(kv1, 0, n - (blo + ib) * kPage, t);
-        pv_smem<kFp8>(acc, sbase + kSmemPB, kv1, 0);
-        wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 128; ++k) pin(acc[k]);
-        if (t == 0 && ib + 2 < nblk) issue(ib + 2, pg_b, 0, 3, false);
-      }
-    }
-    MLA_STAMP(t == 0, 5, clock_now());
-  } else {
-    uint32_t pb[16];
-#pragma unroll 1
-    for (int j = 0; j < npairs; ++j) {
-      const int ia = 2 * j, ib = ia + 1;
-      const bool has_b = ib < nblk;
-      if (has_b) {
-        qk_block<4, kFp8>(s, sbase, kv1, bar0 + 8 * kChunks, j & 1, q8, p.err, blo + ib,
-                          t, wg);
-        wgmma_wait<0>();
-#pragma unroll
-        for (int k = 0; k < 32; ++k) pin(s[k]);
-      }
-      int pg_a = 0, pg_b = 0;
-      if (t == 0) {
-        if (ia + 2 < nblk) pg_a = __ldg(bt + ia + 2);
-        if (ib + 2 < nblk) pg_b = __ldg(bt + ib + 2);
-      }
-      float mx[2], mu[2], mb[2];
-      if (has_b) mask_rowmax<8>(s, (blo + ib) * kPage, vis, p.scale_log2, quad, mx);
-      if (!kFp8) {
-        // softmax of B against WG0's max after A: the pair's max is ours after B
-        named_bar(kBarAReady, kThreads);
-        float f[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float ma = ld_shared_f32(sMA + 32 * h);
-          mb[h] = has_b ? lazy_max(ma, mx[h]) : ma;
-          mu[h] = mb[h] == -INFINITY ? 0.f : mb[h];
-          f[h] = rescale_factor(m_run[h], mb[h]);
-          m_run[h] = mb[h];
-        }
-        if (quad == 0) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) st_shared(sMB + 32 * h, mb[h]);
-        }
-        named_arrive(kBarBReady);
-        if (warp_not_one(f)) scale_acc(acc, f);
-        if (has_b) {
-          float ps[2];
-          exp_rows(s, mu, ps);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * f[h] + ps[h];
-          pack_a<kFp8>(s, pb);
-          store_p<kFp8>(sbase + kSmemPB, pb, nullptr, r0, quad);
-          if (ib == tail_blk) zero_tail(kv1, 1, n - (blo + ib) * kPage, t);
-          fence_proxy_async();
-          pv_regs<kFp8>(acc, pb, kv1, 1);
-        } else {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) lsum[h] *= f[h];
-        }
-      } else {
-        // fp8: softmax of B against our own running max, without waiting for WG0's max of A.
-        // B's P·V is issued first, and only when A moved the max past ours (rare, with lazy
-        // rescaling) is our accumulator rescaled after it (which needs the wgmma's completion,
-        // so the whole warpgroup votes). P_B is stored for WG0 after kBarAReady, which WG0
-        // reaches only once its P·V has read the previous P_B. This order leaves the fp8 build
-        // without spills (the bf16 order spills 28 / 52 bytes there) and is 1-3% faster in
-        // fp8; in bf16 it is 1-2.5% slower (mla_ab_h200.json runs 34-36).
-        float sb[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          mb[h] = has_b ? lazy_max(m_run[h], mx[h]) : m_run[h];
-          mu[h] = mb[h] == -INFINITY ? 0.f : mb[h];
-          sb[h] = rescale_factor(m_run[h], mb[h]);
-        }
-        if (quad == 0) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) st_shared(sMB + 32 * h, mb[h]);
-        }
-        named_arrive(kBarBReady);
-        // (nothing is in flight here; without this wait ptxas cannot tell, and serialises every
-        // wgmma of the kernel: C7515)
-        wgmma_wait<0>();
-        if (warp_not_one(sb)) scale_acc(acc, sb);
-        if (has_b) {
-          float ps[2];
-          exp_rows(s, mu, ps);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) lsum[h] = lsum[h] * sb[h] + ps[h];
-          pack_a<kFp8>(s, pb);
-          if (ib == tail_blk) zero_tail(kv1, 1, n - (blo + ib) * kPage, t);
-          pv_regs<kFp8>(acc, pb, kv1, 1);
-        }
-        // the pair's max: WG0's after A and ours after B
-        named_bar(kBarAReady, kThreads);
-        float fb[2];
-        pair_max(mb, sMA, m_run, fb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) lsum[h] *= fb[h];
-        const bool rescale = warp_not_one(fb);
-        if (has_b) {
-          store_p_scaled<kFp8>(sbase + kSmemPB, pb, fb, rescale, r0, quad);
-          fence_proxy_async();
-        }
-        if (warpgroup_any(rescale, kBarWG1Vote)) {
-          wgmma_wait<0>();
-#pragma unroll
-          for (int k = 0; k < 128; ++k) pin(acc[k]);
-          if (rescale) scale_acc(acc, fb);
-        }
-      }
-      named_bar(kBarPAWritten, kThreads);
-      if (ia == tail_blk) zero_tail(kv0, 1, n - (blo + ia) * kPage, t);
-      pv_smem<kFp8>(acc, sbase + kSmemPA, kv0, 1);
-      named_arrive(kBarWG1Issued);
-      wgmma_wait<1>();  // the local P·V of B (without B only one group is pending)
-      if (t == 0 && has_b && ib + 2 < nblk) issue(ib + 2, pg_b, 4, 7, true);  // 4..7 and rope
-      wgmma_wait<0>();
-#pragma unroll
-      for (int k = 0; k < 128; ++k) pin(acc[k]);
-      if (t == 0 && ia + 2 < nblk) issue(ia + 2, pg_a, 4, 7, false);
-    }
-    MLA_STAMP(t == 0, 6, clock_now());
-  }
+  if (wg == 0) wg0_pairs<kFp8>(p, loop, issue, q8, vis, acc, s, m_run, lsum);
+  else wg1_pairs<kFp8>(p, loop, issue, q8, vis, acc, s, m_run, lsum);
 
   // both warpgroups hold O and l relative to the same final row max
   store_rows<kFp8>(p, acc, lsum, m_run, reinterpret_cast<float*>(smem + kSmemSum), sbase + kSmemQ,
