@@ -151,7 +151,7 @@ def states_by_length(llm: LLM, prompt, params, drafter=None) -> dict[int, list[t
     if drafter is not None:
         llm.spec.drafter = drafter
     rid = llm.add_request(prompt, params)
-    req, seen = llm._requests[rid], {}
+    req, seen = llm.loop.requests[rid], {}
     while llm.has_unfinished():
         llm.step()
         if not req.finished and req.decoding:
@@ -178,7 +178,7 @@ def test_rollback_restores_the_state_without_rejected_tokens(engine):
         llm = LLM(engine, verify_checksums=False, speculative="ngram", spec_tokens=3, prefix_caching=False)
         llm.spec.drafter = Scripted(len(p), ref, wrong)
         rid = llm.add_request(p, params)
-        req = llm._requests[rid]
+        req = llm.loop.requests[rid]
         llm.step()                                   # prefill: the first token
         llm.step()                                   # verify [t0, d1, d2, d3]
         assert req.stats.accepted == (3 if wrong is None else wrong) and req.num_computed == len(p) + 1 + (

@@ -1,5 +1,5 @@
 """Speculative decoding inside the step loop: drafting before the schedule, acceptance after the
-forward. ``LLM.step`` strings them together (ARCHITECTURE.md, "One step of the runtime"):
+forward. ``StepLoop.step`` (loop.py) strings them together (ARCHITECTURE.md, "One step of the runtime"):
 
   draft    Speculator.draft(decoding requests): drafter.propose → req.drafts (+ req.draft_q)
   schedule 1 + len(drafts) verify rows per decode (drafts are dropped before anyone is preempted)
@@ -7,7 +7,7 @@ forward. ``LLM.step`` strings them together (ARCHITECTURE.md, "One step of the r
   run      verify [last token, *drafts] per request with the KDA state kept after every row
   accept   decide(): per request its rows → processors / penalties (row j counts drafts[:j]) →
            greedy or stochastic acceptance → Verdict (n accepted drafts + the target's token)
-  commit   LLM: stop ids / max_tokens / grammar cut the block; num_computed = old + len(block);
+  commit   StepLoop: Request.block_end (stop ids / max_tokens) and the grammar cut the block; num_computed = old + len(block);
            KDA rollback to the last kept row; cache.commit frees the rejected rows' blocks;
            Speculator.committed hands the drafter the kept rows' hidden states and the tokens
 
@@ -61,9 +61,8 @@ class Speculator:
         return self.enabled and req.params.speculative and req.params.max_tokens > 1
 
     def limit(self, req: Request) -> int:
-        """Most drafts for the request's next step: n accepted + 1 must fit max_tokens and max_model_len."""
-        return max(0, min(self.k, req.params.max_tokens - req.num_output - 1,
-                          self.max_model_len - len(req.token_ids) - 1))
+        """Most drafts for the request's next step: n accepted + 1 must fit its room (Request.room)."""
+        return max(0, min(self.k, req.room(self.max_model_len) - 1))
 
     # ------------------------------------------------------------------------ draft
     def draft(self, reqs: Sequence[Request], fault: Fault) -> None:
