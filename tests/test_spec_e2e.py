@@ -1,4 +1,4 @@
-"""Speculative decoding through the runtime, end to end (k3trt/runtime/spec_step.py + llm.py).
+"""Speculative decoding through the runtime, end to end (k3trt/runtime/spec_step.py + loop.py).
 
 - Greedy speculative output equals greedy plain output token for token for every drafter (n-gram,
   a draft model with other weights, the target as its own draft, MTP), on mixed batches (plain

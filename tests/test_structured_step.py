@@ -1,4 +1,4 @@
-"""The structured-output step split (structured/runtime.py, LLM.step): drafts are cut before the
+"""The structured-output step split (structured/runtime.py, StepLoop.step): drafts are cut before the
 forward (GuidedState.admit, no mask), the mask rows are filled after it is launched
 (GuidedState.fill_masks, or fill_masks_batch through xgrammar's BatchGrammarMatcher).
 

@@ -52,7 +52,8 @@ class StepLoop:
     def __init__(self, session: EngineSession, cache: CacheManager, scheduler: Scheduler, spec: Speculator, *,
                  tokenizer: Any, eos_ids: frozenset[int], vocab_size: int, max_model_len: int, seed: int):
         self.session, self.cache, self.scheduler, self.spec = session, cache, scheduler, spec
-        self.tokenizer, self.eos_ids, self.vocab_size, self.max_model_len = tokenizer, eos_ids, vocab_size, max_model_len
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
         cfg = scheduler.config
         # cheap until the first guided request: the vocabulary is built then, off the loop
         self.grammars = GrammarRuntime(tokenizer, vocab_size, rows=cfg.max_batch * (1 + spec.k))

@@ -7,8 +7,8 @@ forward. ``StepLoop.step`` (loop.py) strings them together (ARCHITECTURE.md, "On
   run      verify [last token, *drafts] per request with the KDA state kept after every row
   accept   decide(): per request its rows → processors / penalties (row j counts drafts[:j]) →
            greedy or stochastic acceptance → Verdict (n accepted drafts + the target's token)
-  commit   StepLoop: Request.block_end (stop ids / max_tokens) and the grammar cut the block; num_computed = old + len(block);
-           KDA rollback to the last kept row; cache.commit frees the rejected rows' blocks;
+  commit   StepLoop: Request.block_end (stop ids / max_tokens) and the grammar cut the block;
+           num_computed = old + len(block); KDA rollback to the last kept row; cache.commit frees the rejected rows' blocks;
            Speculator.committed hands the drafter the kept rows' hidden states and the tokens
 
 The drafter contract is speculative/drafter.py's. A drafter fault is confined to its request: a
