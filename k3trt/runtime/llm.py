@@ -232,7 +232,7 @@ def run(engine_dir: str | Path, prompt: str, **kwargs: Any) -> dict[str, Any]:
     """One prompt through a fresh engine: what `k3trt run ... --json` prints (oneshot.run has the
     keyword arguments: chat, max_tokens, temperature, seed, device, speculative, json_schema, regex,
     grammar, and engine options)."""
-    from k3trt.runtime.oneshot import run as run_once     # oneshot imports this module
+    from k3trt.runtime.oneshot import run as run_once  # oneshot imports this module
     return run_once(engine_dir, prompt, **kwargs)
 
 

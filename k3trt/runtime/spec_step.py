@@ -57,7 +57,8 @@ class Speculator:
         return self.enabled and self.drafter.needs_hidden
 
     def wants(self, req: Request) -> bool:
-        """The request speculates (it may still get no drafts in a given step)."""
+        """The request speculates (it may still get no drafts in a given step); a one-token request
+        has nothing to draft for, so the drafter never tracks it."""
         return self.enabled and req.params.speculative and req.params.max_tokens > 1
 
     def limit(self, req: Request) -> int:

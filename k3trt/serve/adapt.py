@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from k3trt.runtime.chat import render_ids
 from k3trt.runtime.params import RequestError, SamplingParams
+from k3trt.runtime.structured import GuidedSpec
+from k3trt.runtime.xtml import OPEN, reasoning_open
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, bad
-
-if TYPE_CHECKING:       # annotations only: xgrammar is imported by requests that ask for structure
-    from k3trt.runtime.structured import GuidedSpec
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,6 @@ def completion_submission(req: CompletionRequest, tokenizer: Any, *, vocab_size:
 
 def _reasoning_open(tokenizer: Any, ids: list[int]) -> bool:
     """The prompt ends inside a `think` block: as the runtime's check_guided reads it."""
-    from k3trt.runtime.xtml import OPEN, reasoning_open
     return OPEN in getattr(tokenizer, "special_ids", {}) and reasoning_open(tokenizer.decode(ids))
 
 
@@ -136,10 +134,9 @@ def _guided_spec(req: ChatRequest, tools: list[dict], thinking: bool, mw: int | 
 
 
 def _spec(make: Callable[[type], GuidedSpec | None], prefix: str) -> GuidedSpec | None:
-    """A GuidedSpec (checked: a bad schema fails here, naming the field). Imported lazily: xgrammar is
-    only needed by requests that ask for structure."""
+    """A GuidedSpec (checked: a bad schema fails here, naming the field); xgrammar is imported on the
+    first one, so a server without it fails only the requests that ask for structure."""
     try:
-        from k3trt.runtime.structured import GuidedSpec
         return make(GuidedSpec)
     except ImportError as e:
         raise APIError(400, f"structured output is unavailable on this server: {e}", param=prefix or None) from None

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from k3trt.runtime.params import RequestError
+from k3trt.runtime.structured import GuidedSpec
 from k3trt.serve.protocol import APIError, bad
-
-if TYPE_CHECKING:       # annotations only: xgrammar is imported by requests that ask for structure
-    from k3trt.runtime.structured import GuidedSpec
 
 log = logging.getLogger(__name__)
 

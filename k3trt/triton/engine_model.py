@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from k3trt.runtime.xtml import DeltaKind
+from k3trt.serve import metrics
 from k3trt.serve.app import Run
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.serve.guided import compile_guided
@@ -39,6 +41,7 @@ METRICS_PERIOD_S = 0.5
 
 class EngineModel:
     def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
+        # here, not at the top: the stub provides pb, and the engine's heavy imports wait for an instance
         import torch
         import triton_python_backend_utils as pb
 
@@ -157,7 +160,6 @@ class EngineModel:
                 "stats": json.dumps(stats, default=str)}
 
     async def _publish_metrics(self) -> None:
-        from k3trt.serve import metrics
         while True:
             try:
                 self.metrics.update(metrics.render(await self.engine.stats(), self.engine))
@@ -169,7 +171,6 @@ class EngineModel:
 
 
 def _split(deltas: list) -> tuple[str, str]:
-    from k3trt.runtime.xtml import DeltaKind
     text = "".join(d.text for d in deltas if d.kind is DeltaKind.CONTENT)
     return text, "".join(d.text for d in deltas if d.kind is DeltaKind.REASONING)
 

@@ -14,16 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from k3trt.runtime.params import RequestError
+from k3trt.runtime.structured import GuidedSpec
 from k3trt.serve.adapt import Submission, chat_submission, completion_submission
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, bad, validate
-
-if TYPE_CHECKING:       # annotations only: xgrammar is imported by requests that ask for structure
-    from k3trt.runtime.structured import GuidedSpec
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "speculative")

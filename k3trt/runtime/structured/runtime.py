@@ -35,7 +35,7 @@ from k3trt.runtime.params import RequestError
 from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache
 from k3trt.runtime.structured.spec import GuidedSpec
 from k3trt.runtime.structured.state import fill_masks_batch
-from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, num_words
+from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, num_words, xgr
 from k3trt.runtime.xtml import OPEN, reasoning_open
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,6 @@ class GrammarRuntime:
     # ---- internals ----------------------------------------------------------------------------------
     def _batch(self) -> Any:
         if self._batcher is None:
-            from k3trt.runtime.structured.vocab import xgr
             self._batcher = xgr().BatchGrammarMatcher(self.fill_threads)
         return self._batcher
 
