@@ -31,7 +31,7 @@ tokens/s loss of guided against unconstrained, and where the guided step's time 
   commit  GuidedState.commit (grammar advance by the accepted tokens)
   apply   GrammarRuntime.apply host time (apply_hidden: the part of it under the forward, as for fill),
           and on CUDA its GPU time (events)
-  launch  host time of the forward call (LLM._forward), and on CUDA the forward's GPU time
+  launch  host time of the forward call (StepLoop.forward), and on CUDA the forward's GPU time
 On CUDA the run also measures the copy bandwidth and bf16 GEMM rate (benchmarks/ceilings.py).
 Progress is logged; with --json the file is rewritten after every batch (a killed run keeps its rows).
 
