@@ -22,7 +22,7 @@ Triton configs by name.
 Per case (local heads H, batch B, context L, KV dtype, kernel config): time per call from CUDA-graph
 replays of 10 calls (as the FlashMLA anchor was measured), achieved GB/s (KV bytes, each token's
 576 values read once) and TFLOP/s (2·4H·B·L·(576+512)), the roofline time (the larger of bytes
-over the copy rate and flops over the GEMM rate, both measured in this run by ceilings.py), and
+over the copy rate and flops over the GEMM rate, both measured in this run by harness.measure), and
 their ratio. Baselines in the same run: the same work as four single-row decode passes of the
 kernel, and a plain torch implementation (where its score matrix fits). Every case is checked
 against the fp32 reference on its first request. Buffers are not rotated: small cases run from L2,

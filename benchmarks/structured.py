@@ -23,15 +23,15 @@ phase (every step after each request has its first token), so prefill and gramma
 (warmed up before) stay out. Unconstrained and guided runs alternate, `--reps` times each; each
 figure is the run with the median tokens/s. Reported: decode tokens/s, median step latency, the
 tokens/s loss of guided against unconstrained, and where the guided step's time goes, per step:
-  cut     Grammars.cut_drafts (before the forward: drafts cut at the first refused token)
-  fill    Grammars.fill (after the forward is launched: the K+1 mask rows per request)
+  cut     GrammarRuntime.cut_drafts (before the forward: drafts cut at the first refused token)
+  fill    GrammarRuntime.fill (after the forward is launched: the K+1 mask rows per request)
   hidden  how much of fill ran while the GPU was still busy with the forward (CUDA): per step
           min(fill, GPU forward time - host launch time - gap before fill), from CUDA events; and
           busy_after_fill_pct, the share of steps whose forward was still running when fill ended
   commit  GuidedState.commit (grammar advance by the accepted tokens)
-  apply   Grammars.apply host time (apply_hidden: the part of it under the forward, as for fill),
+  apply   GrammarRuntime.apply host time (apply_hidden: the part of it under the forward, as for fill),
           and on CUDA its GPU time (events)
-  launch  host time of the forward call (LLM._forward), and on CUDA the forward's GPU time
+  launch  host time of the forward call (StepLoop.forward), and on CUDA the forward's GPU time
 On CUDA the run also measures the copy bandwidth and bf16 GEMM rate (benchmarks/harness.py).
 Progress is logged; with --json the file is rewritten after every batch (a killed run keeps its rows).
 
@@ -113,7 +113,7 @@ def model_for(preset: str, device: str, dtype: str, work: Path, seed: int = 0):
 
 
 class Probe:
-    """Per-step host times of the forward call, Grammars.cut_drafts / fill / apply and
+    """Per-step host times of the forward call, GrammarRuntime.cut_drafts / fill / apply and
     GuidedState.commit; on CUDA the GPU time of the forward and of apply (events), and how much of
     fill ran while the forward was still on the GPU. Summed over the steps it is armed for."""
 
@@ -125,8 +125,8 @@ class Probe:
         self.armed = False
         self.arm()
         self.armed = False
-        g = llm._grammar_runtime()
-        cut, fill, apply, commit, forward = g.cut_drafts, g.fill, g.apply, GuidedState.commit, llm._forward
+        g = llm.loop.grammars
+        cut, fill, apply, commit, forward = g.cut_drafts, g.fill, g.apply, GuidedState.commit, llm.loop.forward
         self._restore = lambda: setattr(GuidedState, "commit", commit)
         self._fwd: tuple | None = None     # (host launch start, host launch end, e0, e1) of this step
 
@@ -190,7 +190,7 @@ class Probe:
             self.t["apply"] += time.perf_counter() - t0
 
         g.cut_drafts, g.fill, g.apply = timed("cut", cut), fill_ev, apply_ev
-        llm._forward = forward_ev
+        llm.loop.forward = forward_ev
         timed_commit = timed("commit", commit)
         GuidedState.commit = lambda s, tokens: timed_commit(s, tokens)
 
@@ -396,8 +396,8 @@ def print_table(results: dict) -> None:
               + (f" {g['apply_hidden_ms']:6.3f} {g['apply_gpu_ms']:6.3f} {g['forward_gpu_ms']:7.3f}" if cuda else "")
               + f" {r['other_ms']:6.3f} | {acc:>11s}")
     print("(step ms: median decode step; loss: decode tokens/s of guided vs unconstrained; cut / fill / commit / "
-          "apply: the guided step's host ms in Grammars.cut_drafts (before the forward), Grammars.fill (after its "
-          "launch), GuidedState.commit, Grammars.apply; hidden: the part of fill that ran while the GPU forward was "
+          "apply: the guided step's host ms in GrammarRuntime.cut_drafts (before the forward), GrammarRuntime.fill (after its "
+          "launch), GuidedState.commit, GrammarRuntime.apply; hidden: the part of fill that ran while the GPU forward was "
           "still running" + (", a.hid: the same for apply, gpu: apply's GPU ms, fwd: the forward's GPU ms (events)" if cuda else "")
           + "; other: mean guided step - mean unconstrained step - the exposed grammar time; acc len: mean "
           "accepted length, unconstrained / guided)", flush=True)

@@ -30,7 +30,7 @@ def reference_greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
 
 def assert_no_leak(llm) -> None:
     """Every block and KDA slot is free again and no request is left."""
-    assert not llm.has_unfinished(), f"requests left: {list(llm._requests)}"
+    assert not llm.has_unfinished(), f"requests left: {list(llm.loop.requests)}"
     usage = llm.cache.usage()
     assert usage["blocks_in_use"] == 0 and usage["slots_in_use"] == 0, usage
     assert llm.cache.pool.num_free == llm.cache.pool.num_blocks, usage

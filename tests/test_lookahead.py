@@ -65,7 +65,7 @@ def test_arrivals_and_abort_while_a_step_is_ahead(engine, reference):
     ids[victim := llm.add_request(ps[3], SamplingParams(max_tokens=MAX_TOKENS[3]))] = 3
     for _ in range(4):
         collect(llm.step())
-    assert llm._ahead is not None                 # decoding, one step launched ahead
+    assert llm.loop.lookahead.launched is not None   # decoding, one step launched ahead
     ids[llm.add_request(ps[2], SamplingParams(max_tokens=MAX_TOKENS[2]))] = 2   # arrives mid-flight
     llm.abort(victim)                             # ends while the launched step holds its row
     while llm.has_unfinished():

@@ -49,8 +49,8 @@ def test_greedy_equals_full_recompute(engine, oracle, case):
         assert out.token_ids == oracle(p, case.max_tokens), f"prompt of {len(p)} tokens"
         assert out.finish_reason == "length"
     hits = llm.stats()["capacity_hits"]
-    assert set(hits["verify"]) <= set(llm.config.verify_capacities)
-    assert set(hits["prefill"]) <= set(llm.config.prefill_capacities)
+    assert set(hits["verify"]) <= set(llm.config.capacities.verify)
+    assert set(hits["prefill"]) <= set(llm.config.capacities.prefill)
     assert_no_leak(llm)
 
 

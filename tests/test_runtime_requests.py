@@ -7,6 +7,7 @@ import pytest
 
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import MAX_STOP_STRINGS, RequestError, SamplingParams
+from k3trt.runtime.request import FinishReason, Request
 from runtime_utils import assert_no_leak, prompts
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -139,3 +140,22 @@ def test_abort(llm, baseline):
     assert done[a].finish_reason == "abort"
     assert done[b].token_ids == want[1]
     assert_no_leak(llm)
+
+
+def test_block_end_cuts_at_stop_tokens_and_room():
+    """Request.block_end: an emitted block ends after its first stop token (kept) and within the
+    request's room (max_tokens, max_model_len)."""
+    def end(tokens, eos=frozenset(), max_model_len=100, output=0, **params):
+        req = Request("r", 0, [1, 1, 1], SamplingParams(**params))
+        req.token_ids += [1] * output
+        return req.block_end(tokens, frozenset(eos), max_model_len)
+
+    stop, length = FinishReason.STOP, FinishReason.LENGTH
+    assert end([5, 2, 7, 2], eos={2}) == (2, (stop, 2))
+    assert end([5, 6, 7], eos={2}, stop_token_ids=(9,)) == (3, None)
+    assert end([5, 9, 7], stop_token_ids=(9,)) == (2, (stop, 9))
+    assert end([2], eos={2}) == (1, (stop, 2))
+    assert end([5, 2, 7], eos={2}, ignore_eos=True) == (3, None)
+    assert end([5, 6, 2], eos={2}, max_tokens=4, output=2) == (2, (length, None))
+    assert end([5, 6, 7], max_model_len=5) == (2, (length, None))       # prompt 3 + 2 = max_model_len
+    assert end([5, 2], eos={2}, max_tokens=2) == (2, (stop, 2))         # a stop token wins over length

@@ -13,18 +13,18 @@ from k3trt.model.presets import preset_config
 from k3trt.runtime.kv_cache import BlockPool, CacheManager, CachePlan, KDASlots, plan_cache
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.request import Request, Status
-from k3trt.engine.capacities import CapacityError
+from k3trt.engine.capacities import Capacities, CapacityError
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 
 BS = 16
 
 
 def make(num_blocks=64, max_batch=4, max_num_tokens=32, prefix_caching=True, checkpoints=4,
-         prefill=(16, 32), hybrid=True):
+         prefill=(1, 16, 32), hybrid=True):
     verify = tuple(c for c in (1, 2, 4, 8) if c <= max_batch)
     plan = CachePlan(BS, num_blocks, verify[-1], checkpoints, 1, 1)
     cache = CacheManager(plan, hybrid=hybrid, prefix_caching=prefix_caching)
-    cfg = SchedulerConfig(max_num_tokens=max_num_tokens, verify_capacities=verify, prefill_capacities=prefill,
+    cfg = SchedulerConfig(max_num_tokens=max_num_tokens, capacities=Capacities(verify, prefill, 0),
                           max_model_len=num_blocks * BS, prefix_caching=prefix_caching, hybrid=hybrid)
     return Scheduler(cfg, cache)
 
@@ -59,7 +59,7 @@ def fake_step(s: Scheduler):
 
 @pytest.mark.parametrize("prefix_caching,chunks", [(True, [16, 16, 16, 2]), (False, [20, 20, 10])])
 def test_chunk_ends(prefix_caching, chunks):
-    s = make(max_num_tokens=20, prefill=(16, 20), prefix_caching=prefix_caching)
+    s = make(max_num_tokens=20, prefill=(1, 16, 20), prefix_caching=prefix_caching)
     r = req(50)
     s.add(r)
     got = []
@@ -69,7 +69,7 @@ def test_chunk_ends(prefix_caching, chunks):
 
 
 def test_budget_and_capacities():
-    s = make(max_num_tokens=8, prefill=(4, 8))
+    s = make(max_num_tokens=8, prefill=(1, 4, 8))
     old = [req(3, max_tokens=8) for _ in range(3)]
     for r in old:
         s.add(r)
@@ -77,7 +77,7 @@ def test_budget_and_capacities():
     assert [c.num_tokens for c in plan.prefills] == [3, 3, 2] and plan.prefill_capacity == 8
     plan = fake_step(s)
     assert len(plan.decodes) == 2 and [c.num_tokens for c in plan.prefills] == [1]
-    assert plan.verify_capacity == 2 and plan.prefill_capacity == 4
+    assert plan.verify_capacity == 2 and plan.prefill_capacity == 1
     late = req(20)
     s.add(late)
     plan = fake_step(s)                            # decode rows count first: 8 - 3 for the prefill
@@ -87,10 +87,9 @@ def test_budget_and_capacities():
 
 def test_config_checks_capacities():
     with pytest.raises(CapacityError, match="ascending"):
-        SchedulerConfig(max_num_tokens=8, verify_capacities=(2, 1), prefill_capacities=(8,), max_model_len=64)
-    with pytest.raises(ValueError, match="max_num_tokens"):
-        SchedulerConfig(max_num_tokens=4, verify_capacities=(1, 2, 4), prefill_capacities=(4,), max_model_len=64,
-                        spec_tokens=1)
+        SchedulerConfig(max_num_tokens=8, capacities=Capacities((2, 1), (1, 8), 0), max_model_len=64)
+    with pytest.raises(CapacityError, match="max_num_tokens"):
+        SchedulerConfig(max_num_tokens=4, capacities=Capacities((1, 2, 4), (1, 4), 1), max_model_len=64)
 
 
 def test_admission_is_first_come_first_served():
@@ -107,7 +106,7 @@ def test_admission_is_first_come_first_served():
 
 
 def test_preemption_takes_the_newest():
-    s = make(num_blocks=5, max_batch=4, max_num_tokens=64, prefill=(16, 32, 64))
+    s = make(num_blocks=5, max_batch=4, max_num_tokens=64, prefill=(1, 16, 32, 64))
     rs = [req(15, start=100 * i, max_tokens=40) for i in range(4)]
     for r in rs:
         s.add(r)
@@ -125,7 +124,7 @@ def test_preemption_takes_the_newest():
 def test_prefills_holding_the_pool_do_not_deadlock():
     # aligned chunk ends leave budget for a second prefill, which then holds the blocks the first
     # one needs: the newer one is preempted instead of both waiting forever
-    s = make(num_blocks=5, max_batch=2, max_num_tokens=40, prefill=(16, 32, 40))
+    s = make(num_blocks=5, max_batch=2, max_num_tokens=40, prefill=(1, 16, 32, 40))
     r1, r2 = req(70, max_tokens=2), req(70, start=500, max_tokens=2)
     s.add(r1)
     s.add(r2)

@@ -1,4 +1,4 @@
-"""Speculative decoding through the runtime, end to end (k3trt/runtime/spec_step.py + llm.py).
+"""Speculative decoding through the runtime, end to end (k3trt/runtime/spec_step.py + loop.py).
 
 - Greedy speculative output equals greedy plain output token for token for every drafter (n-gram,
   a draft model with other weights, the target as its own draft, MTP), on mixed batches (plain
@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 
+from k3trt.engine.capacities import Capacities
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.speculative import Drafter, Proposal
@@ -151,7 +152,7 @@ def states_by_length(llm: LLM, prompt, params, drafter=None) -> dict[int, list[t
     if drafter is not None:
         llm.spec.drafter = drafter
     rid = llm.add_request(prompt, params)
-    req, seen = llm._requests[rid], {}
+    req, seen = llm.loop.requests[rid], {}
     while llm.has_unfinished():
         llm.step()
         if not req.finished and req.decoding:
@@ -178,7 +179,7 @@ def test_rollback_restores_the_state_without_rejected_tokens(engine):
         llm = LLM(engine, verify_checksums=False, speculative="ngram", spec_tokens=3, prefix_caching=False)
         llm.spec.drafter = Scripted(len(p), ref, wrong)
         rid = llm.add_request(p, params)
-        req = llm._requests[rid]
+        req = llm.loop.requests[rid]
         llm.step()                                   # prefill: the first token
         llm.step()                                   # verify [t0, d1, d2, d3]
         assert req.stats.accepted == (3 if wrong is None else wrong) and req.num_computed == len(p) + 1 + (
@@ -273,8 +274,8 @@ def test_drafts_go_before_anyone_is_preempted():
     from k3trt.runtime.request import Request, Status
     from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
     cache = CacheManager(CachePlan(16, 3, 2, 0, 1, 1), hybrid=True, prefix_caching=False)   # 3 blocks of 16
-    s = Scheduler(SchedulerConfig(max_num_tokens=32, verify_capacities=(1, 2), prefill_capacities=(16, 32),
-                                  max_model_len=48, prefix_caching=False, spec_tokens=3), cache)
+    s = Scheduler(SchedulerConfig(max_num_tokens=32, capacities=Capacities((1, 2), (1, 16, 32), 3),
+                                  max_model_len=48, prefix_caching=False), cache)
     reqs = [Request(f"r{i}", i, list(range(1, 15)), SamplingParams(max_tokens=8)) for i in range(2)]
     for r in reqs:
         s.add(r)

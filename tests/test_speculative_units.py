@@ -15,7 +15,7 @@ from k3trt.model.context import ModelCache, StepContext
 from k3trt.runtime import sampling
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.speculative import (AcceptanceStats, DraftInput, NgramConfig, NgramDrafter, accept_greedy,
-                                       accept_stochastic, make_drafter, pad_drafts, pad_q, truncate_at_stop)
+                                       accept_stochastic, make_drafter, pad_drafts, pad_q)
 from k3trt.runtime.speculative.draft_model import DraftModelDrafter
 from k3trt.runtime.speculative.mtp import MTPDrafter
 from k3trt.testing import assert_close
@@ -151,14 +151,6 @@ def test_stochastic_rules_and_reproducibility():
     assert pad_q([None] * 4, d, V) is None and torch.equal(q[0], q1)
     mixed = accept_stochastic(ps, d, nd, q, [torch.Generator().manual_seed(i) for i in range(4)])
     assert mixed.tokens[1:] == batch.tokens[1:]
-
-
-def test_truncate_at_stop():
-    assert truncate_at_stop([5, 2, 7, 2], {2}) == ([5, 2], True)
-    assert truncate_at_stop([5, 6, 7], {2, 9}) == ([5, 6, 7], False)
-    assert truncate_at_stop([2], {2}) == ([2], True)
-    assert truncate_at_stop([5, 6, 2], {2}, max_new=2) == ([5, 6], False)
-    assert truncate_at_stop([5, 6], set(), max_new=0) == ([], False)
 
 
 # ------------------------------------------------------------------------------------ n-gram

@@ -233,8 +233,8 @@ def test_grammar_fault_ends_only_its_request(spec, llms, tok, compile_, states):
     def boom(*a, **k):
         raise RuntimeError("matcher exploded")
 
-    llm._requests[rids[1]].guided.fill_masks = boom
-    llm._requests[rids[2]].guided.commit = boom
+    llm.loop.requests[rids[1]].guided.fill_masks = boom
+    llm.loop.requests[rids[2]].guided.commit = boom
     done = {}
     while llm.has_unfinished():
         done.update({o.request_id: o for o in llm.step() if o.finished})
@@ -284,7 +284,7 @@ def test_compiling_holds_up_no_one(engine, tok, monkeypatch):
         guided = llm.add_request(tok.encode("JSON:"), {"max_tokens": 40, "guided": {
             "json_schema": SCHEMAS["enum"], "max_whitespace": 0}})
         free = llm.add_request(tok.encode("Hello"), SamplingParams(max_tokens=2, ignore_eos=True))
-        req, done = llm._requests[guided], {}
+        req, done = llm.loop.requests[guided], {}
         while free not in done:
             done.update({o.request_id: o for o in llm.step() if o.finished})
         assert req.num_output == 0 and not req.finished          # still compiling: it held no one up

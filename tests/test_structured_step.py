@@ -1,4 +1,4 @@
-"""The structured-output step split (structured/runtime.py, LLM.step): drafts are cut before the
+"""The structured-output step split (structured/runtime.py, StepLoop.step): drafts are cut before the
 forward (GuidedState.admit, no mask), the mask rows are filled after it is launched
 (GuidedState.fill_masks, or fill_masks_batch through xgrammar's BatchGrammarMatcher).
 
@@ -187,7 +187,7 @@ def test_runtime_greedy_equals_masked_greedy(spec, batched, llms, tok, vocab, gu
     matcher is where a fresh matcher fed its committed tokens is."""
     cfg, model = tiny_model
     llm, guide = llms[spec], guides["json"]
-    g = llm._grammar_runtime()
+    g = llm.loop.grammars
     g.batch_min = 1 if batched else 1 << 30
     try:
         prompts = [tok.encode(f"Example: {EXAMPLE}\nAnother{i}:") for i in range(3)]
@@ -196,7 +196,7 @@ def test_runtime_greedy_equals_masked_greedy(spec, batched, llms, tok, vocab, gu
         done, checked = {}, 0
         while llm.has_unfinished():
             done.update({o.request_id: o for o in llm.step() if o.finished})
-            for req in llm._requests.values():
+            for req in llm.loop.requests.values():
                 if req.guided is not None:
                     out = req.token_ids[req.num_prompt:]
                     assert torch.equal(mask_now(req.guided, vocab), fresh_mask(guide, vocab, out)), req.request_id
@@ -231,7 +231,7 @@ class _ExplodingMatcher:
 @pytest.mark.parametrize("spec", ["none", "ngram"])
 def test_fault_in_post_launch_fill_ends_only_its_request(spec, batched, llms, tok, guides, monkeypatch):
     llm, guide = llms[spec], guides["json"]
-    g = llm._grammar_runtime()
+    g = llm.loop.grammars
     monkeypatch.setattr(g, "batch_min", 1 if batched else 1 << 30)
     commits: list[tuple[int, list[int]]] = []
     commit = GuidedState.commit
@@ -239,9 +239,9 @@ def test_fault_in_post_launch_fill_ends_only_its_request(spec, batched, llms, to
     prompt = tok.encode(f"Example: {EXAMPLE}\nAnother:")
     rids = [llm.add_request(prompt, SamplingParams(max_tokens=40, guided=guide)) for _ in range(4)]
     done = {}
-    while not all(llm._requests[r].num_output >= 3 for r in rids):     # a few tokens in
+    while not all(llm.loop.requests[r].num_output >= 3 for r in rids):     # a few tokens in
         done.update({o.request_id: o for o in llm.step() if o.finished})
-    victim = llm._requests[rids[2]]
+    victim = llm.loop.requests[rids[2]]
     state, n_before = victim.guided, len(victim.token_ids)
     state._matcher = _ExplodingMatcher(state._matcher)
     del commits[:]

@@ -9,15 +9,20 @@ buffer on the device, and only then waits for N's tokens (copied to pinned memor
 queued, so the wait ends with N, not N+1) and commits them while N+1 runs.
 
 A step is launched ahead only when nothing about it can change on the host:
-  - a graph session (its static input buffer takes the device ids), speculation off, no grammar;
-  - N is a pure decode step of plain-greedy requests, all still running, no request waiting to be
-    admitted (admission needs the normal schedule);
+  - a graph session (its static input buffer takes the device ids), speculation off;
+  - N is a pure decode step of plain-greedy requests without a grammar (their rows would need
+    masks), all still running, no request waiting to be admitted (admission needs the normal
+    schedule);
   - every request can take the next position's block now (no preemption);
   - with prefix caching on a hybrid model, no request reaches a block boundary at N (its KDA
     checkpoint is copied at the start of the next scheduled step: N+1 would already have moved it).
 A request that N ends (EOS, max_tokens, abort) still has a row in N+1: the row is ignored, and the
 blocks and KDA slot it releases are reused only by steps queued after N+1 on the same stream.
 Greedy output is unchanged token for token (tests/test_lookahead.py).
+
+`Lookahead` is the step loop's (loop.py) handle on this: it holds the launched step and is told
+everything it decides on (the session, the cache, the plan, whether requests wait); it counts
+nothing and commits nothing, the loop does.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3trt.runtime.engine import Seq, make_batch
+from k3trt.runtime.engine import EngineSession, Seq, make_batch
 from k3trt.runtime.graphs import GraphSession
-from k3trt.runtime.request import Status
+from k3trt.runtime.kv_cache import CacheManager
+from k3trt.runtime.request import Request, Status
 from k3trt.runtime.scheduler import StepPlan
 from k3trt.runtime.step import Rows, StepOutput
 
@@ -43,7 +49,7 @@ class Launched:
     def __post_init__(self) -> None:
         self.ids = frozenset(id(r) for r in self.plan.decodes)
 
-    def holds(self, req) -> bool:
+    def holds(self, req: Request) -> bool:
         return id(req) in self.ids
 
 
@@ -65,31 +71,52 @@ class ArgmaxOnHost:
         return self.host.tolist()
 
 
-def can_launch_ahead(llm, plan: StepPlan) -> bool:
-    if not isinstance(llm.session, GraphSession) or llm.spec.enabled or llm._grammars is not None:
-        return False
-    if plan.prefills or not plan.decodes or llm.scheduler.waiting:
-        return False
-    bs, checkpoints = llm.cache.block_size, llm.config.prefix_caching and llm.config.hybrid
-    for r in plan.decodes:
-        if r.status is not Status.RUNNING or r.drafts or not r.params.plain:
+class Lookahead:
+    """At most one step launched ahead of its inputs' commit, and the rules for launching it."""
+
+    def __init__(self, session: EngineSession, cache: CacheManager, *, speculating: bool, checkpoints: bool):
+        self.session, self.cache, self.checkpoints = session, cache, checkpoints
+        self.possible = isinstance(session, GraphSession) and not speculating
+        self.launched: Launched | None = None
+
+    def eligible(self, plan: StepPlan, *, waiting: bool) -> bool:
+        """The step after `plan` can be launched before `plan`'s tokens are committed (module doc);
+        `checkpoints`: prefix caching on a hybrid model."""
+        if not self.possible or plan.prefills or not plan.decodes or waiting:
             return False
-        if checkpoints and (r.num_computed + 1) % bs == 0:
-            return False
-    return True
+        bs = self.cache.block_size
+        for r in plan.decodes:
+            if r.status is not Status.RUNNING or r.drafts or not r.params.plain or r.guided is not None:
+                return False
+            if self.checkpoints and (r.num_computed + 1) % bs == 0:
+                return False
+        return True
+
+    def launch(self, plan: StepPlan, argmax: ArgmaxOnHost) -> Launched | None:
+        """Launch the step after `plan` and hold it (None: a next block was not free)."""
+        self.launched = launch_ahead(self.session, self.cache, plan, argmax)
+        return self.launched
+
+    def take(self) -> Launched | None:
+        """The launched step, handed over to be finished (and no longer held)."""
+        out, self.launched = self.launched, None
+        return out
+
+    def holds(self, req: Request) -> bool:
+        """The launched step writes a row for `req` (so its next position's block must stay)."""
+        return self.launched is not None and self.launched.holds(req)
 
 
-def launch_ahead(llm, plan: StepPlan, argmax: ArgmaxOnHost) -> Launched | None:
+def launch_ahead(session: EngineSession, cache: CacheManager, plan: StepPlan,
+                 argmax: ArgmaxOnHost) -> Launched | None:
     """Launch the step after `plan` (whose tokens are not committed yet); None if a request's
     next block is not free (the normal schedule then preempts as it must)."""
     reqs = plan.decodes
     for r in reqs:   # the next position: num_computed + 1 once N is committed
-        if not llm.cache.allocate(r, r.num_computed + 2):
+        if not cache.allocate(r, r.num_computed + 2):
             return None
     seqs = [Seq([0], r.num_computed + 1, r.blocks, r.kda_slot, 1) for r in reqs]
-    batch = make_batch(seqs, llm.cache.block_size, capacity=plan.verify_capacity)
-    logits = llm.session.verify(batch, device_ids=argmax.dev)
+    batch = make_batch(seqs, cache.block_size, capacity=plan.verify_capacity)
+    logits = session.verify(batch, device_ids=argmax.dev)
     nxt = StepPlan(decodes=list(reqs), verify_capacity=plan.verify_capacity)
-    llm.count_step(nxt)
-    llm.counters["launched_ahead"] += 1
     return Launched(nxt, StepOutput(logits, [Rows(r, i, 1) for i, r in enumerate(reqs)], []))

@@ -13,8 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from k3trt.runtime.chat import render_ids
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
+from k3trt.runtime.xtml import reasoning_open
 
 
 def run(engine_dir: str | Path, prompt: str, *, chat: bool = False, max_tokens: int = 64,
@@ -32,13 +34,11 @@ def run(engine_dir: str | Path, prompt: str, *, chat: bool = False, max_tokens: 
     llm = LLM(engine_dir, device=device, speculative=speculative, **options)
     try:
         if chat:
-            from k3trt.runtime.chat import render_ids
             if llm.tokenizer is None:
                 raise ValueError("--chat needs the engine's tokenizer; this engine dir has none")
             prompt = render_ids(llm.tokenizer, [{"role": "user", "content": prompt}])
         guided = None
         if given:
-            from k3trt.runtime.xtml import reasoning_open
             (key, value), = given.items()
             if isinstance(value, os.PathLike):
                 value = Path(value).read_text()

@@ -4,10 +4,11 @@
 (with a message naming the field) and never inside a running step. ``from_dict`` is the entry for
 untyped input (CLI, HTTP): unknown keys are an error, not silently dropped.
 
-``guided`` (structured output) takes a ``structured.GuidedSpec``, a dict of its fields (e.g.
-``{"json_schema": {...}}``, ``{"regex": "[a-z]+"}``) or an already compiled
-``structured.CompiledGuide``; a dict is turned into a GuidedSpec here, so a bad schema fails at
-submission as ``RequestError("guided.json_schema", ...)``. ``speculative=False`` opts one request
+``guided`` (structured output) is a ``structured.GuidedSpec``, the one runtime type of a guided
+request: a dict of its fields (e.g. ``{"json_schema": {...}}``, ``{"regex": "[a-z]+"}``) or a
+``structured.CompiledGuide`` (read as its spec) is turned into one here, once, so a bad schema
+fails at submission as ``RequestError("guided.json_schema", ...)``. The engine compiles every spec
+through its one grammar cache (``LLM.compile_guided``). ``speculative=False`` opts one request
 out of the engine's speculative decoding.
 """
 
@@ -16,9 +17,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
+
+if TYPE_CHECKING:       # annotations only: structured/ imports this module (RequestError)
+    from k3trt.runtime.structured import GuidedSpec
 
 # A logits processor sees the request's generated ids so far and its fp32 logits row [V] and
 # returns the row to sample from. It runs per request; an exception ends only that request.
@@ -55,7 +59,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
     speculative: bool = True              # False: never drafted, even when the engine speculates
-    guided: Any = None                    # GuidedSpec | CompiledGuide | dict of GuidedSpec fields | None
+    guided: GuidedSpec | None = None      # given as a GuidedSpec, a CompiledGuide or a dict of its fields
 
     def __post_init__(self) -> None:
         # accept lists / a single string from callers, store tuples (the dataclass is frozen)
@@ -125,15 +129,17 @@ class SamplingParams:
         need(isinstance(self.speculative, bool), "speculative", "must be a bool")
 
 
-def _guided_spec(value: Any) -> Any:
-    """A GuidedSpec or CompiledGuide from what a caller passes as ``guided`` (module doc). Imported
-    lazily: xgrammar is only needed by requests that ask for structure."""
+def _guided_spec(value: Any) -> GuidedSpec:
+    """The GuidedSpec of what a caller passes as ``guided`` (module doc). Imported here, not at the
+    top: structured/ imports this module, and xgrammar is only needed by requests that ask for it."""
     try:
         from k3trt.runtime.structured import CompiledGuide, GrammarError, GuidedSpec
     except ImportError as e:
         raise RequestError("guided", f"structured output is unavailable: {e}") from None
-    if isinstance(value, (GuidedSpec, CompiledGuide)):
+    if isinstance(value, GuidedSpec):
         return value
+    if isinstance(value, CompiledGuide):
+        return value.spec
     if not isinstance(value, Mapping):
         raise RequestError("guided", f"must be a GuidedSpec or a dict of its fields, got {type(value).__name__}")
     known = [f.name for f in dataclasses.fields(GuidedSpec)]

@@ -1,10 +1,11 @@
 """One request's record: its tokens, where its cache lives, its sampler state, its text, its stats.
 
 Everything a request owns (cache blocks, KDA slot, RNG, detokenizer, drafts and the drafter's
-state for it, grammar matcher) hangs off this record and is released by ``LLM._finish`` in one
-place, however the request ends. ``new_request`` checks
-a submission (errors name the field); ``append_token`` commits one token and says whether it ends
-the request (EOS, stop ids, stop strings, max_tokens, max_model_len). Token accounting:
+state for it, grammar matcher) hangs off this record and is released by ``StepLoop.finish`` in one
+place, however the request ends. ``new_request`` checks a submission (errors name the field).
+When a request ends is decided here and nowhere else: ``room`` is the one reading of max_tokens
+and max_model_len, ``block_end`` cuts an emitted block at EOS / stop ids / that room, and
+``append_token`` commits one token of the cut block and matches stop strings. Token accounting:
 ``token_ids`` = prompt + generated; the first ``num_computed`` of them are in the caches. A request
 that is decoding has exactly one token not yet computed (the last sampled one); speculative drafts
 (``drafts``, with their draft distributions ``draft_q`` when the drafter sampled them) ride on top
@@ -18,11 +19,16 @@ import enum
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from k3trt.runtime.params import RequestError, SamplingParams
+from k3trt.runtime.structured.runtime import check_guided
+
+if TYPE_CHECKING:       # annotations only: structured output imports xgrammar lazily
+    from k3trt.runtime.structured.state import GuidedState
 
 
 class Status(enum.Enum):
@@ -107,7 +113,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
-    # owned resources (released together by LLM._finish / Scheduler.preempt)
+    # owned resources (released together by StepLoop.finish / Scheduler.preempt)
     blocks: list[int] = field(default_factory=list)
     kda_slot: int | None = None
     generator: torch.Generator | None = None
@@ -115,8 +121,8 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     draft_q: torch.Tensor | None = None  # [len(drafts), V] the drafts' distribution; None: one-hot
     seed: int | None = None              # the request's seed (sampling and sampled drafts)
-    guide_future: Any = None             # Future[CompiledGuide] until the grammar is compiled
-    guided: Any = None                   # structured.GuidedState once it is
+    guide_future: Future | None = None   # Future[CompiledGuide] until the grammar is compiled
+    guided: GuidedState | None = None    # its matcher once it is
     block_hashes: list[bytes] = field(default_factory=list)   # chain hashes of its full blocks
     num_registered: int = 0             # leading blocks registered in the prefix cache
     # output
@@ -164,9 +170,30 @@ class Request:
     def set_drafts(self, drafts: list[int], q: torch.Tensor | None = None) -> None:
         self.drafts, self.draft_q = drafts, (q[:len(drafts)] if q is not None and drafts else None)
 
-    def append_token(self, token: int, logprobs: dict[int, float] | None, eos_ids: frozenset[int],
-                     max_model_len: int) -> tuple[FinishReason, str | int | None] | None:
-        """Commit one generated token; returns (reason, stop_reason) when it ends the request."""
+    def room(self, max_model_len: int) -> int:
+        """How many more tokens the request may emit: the one place max_tokens (and the engine's
+        max_model_len) bound its output. Drafts are sized by it too (Speculator.limit)."""
+        return min(self.params.max_tokens - self.num_output, max_model_len - len(self.token_ids))
+
+    def block_end(self, tokens: Sequence[int], eos_ids: frozenset[int],
+                  max_model_len: int) -> tuple[int, tuple[FinishReason, int | None] | None]:
+        """Where an emitted block (accepted drafts + the target's token) ends the request: (how many
+        of its tokens to keep, (reason, stop_reason) if the last kept one ends it). A stop token (EOS
+        unless ignore_eos, stop_token_ids) is kept and ends it; the block is cut to ``room``."""
+        p, room = self.params, self.room(max_model_len)
+        for i, t in enumerate(tokens[:max(room, 0)]):
+            if t in eos_ids and not p.ignore_eos or t in p.stop_token_ids:
+                return i + 1, (FinishReason.STOP, t)
+            if i + 1 >= room:
+                return i + 1, (FinishReason.LENGTH, None)
+        return min(len(tokens), max(room, 0)), None
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None,
+                     end: tuple[FinishReason, int | None] | None = None
+                     ) -> tuple[FinishReason, str | int | None] | None:
+        """Commit one token of a block cut by ``block_end`` (``end``: its verdict when this is the
+        block's last token); returns (reason, stop_reason) when the request ends here. A stop token
+        ends it before stop strings are matched, a stop string before the length limit."""
         p = self.params
         self.token_ids.append(token)
         if self.stats.first_token is None:
@@ -176,17 +203,15 @@ class Request:
         start = len(self.text)
         if self.detokenizer is not None:
             self.text += self.detokenizer.feed(token)
-        if token in eos_ids and not p.ignore_eos or token in p.stop_token_ids:
-            return FinishReason.STOP, token
+        if end is not None and end[0] is FinishReason.STOP:
+            return end
         if p.stop:
             hit = find_stop(self.text, start, p.stop)
             if hit is not None:
                 at, s = hit
                 self.text = self.text[:at + len(s) if p.include_stop_str_in_output else at]
                 return FinishReason.STOP, s
-        if self.num_output >= p.max_tokens or len(self.token_ids) >= max_model_len:
-            return FinishReason.LENGTH, None
-        return None
+        return end
 
     def pending_text(self, hold: int) -> str:
         """Text not yet streamed, keeping back the last `hold` characters (a possible stop-string
@@ -230,8 +255,7 @@ def new_request(prompt: str | Sequence[int], params: SamplingParams | Mapping[st
         if params.stop and tokenizer is None:
             raise RequestError("stop", "stop strings need the engine's tokenizer (the engine dir has none)")
         if params.guided is not None:
-            from k3trt.runtime.structured.runtime import check_guided
-            check_guided(params.guided, ids, tokenizer, vocab_size)
+            check_guided(params.guided, ids, tokenizer)
     except RequestError as e:
         raise RequestError(e.field, f"{e.message} (request {index})") from None
     return Request(request_id, index, ids, params)

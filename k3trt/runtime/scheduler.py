@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from k3trt.engine.capacities import pick, validate
+from k3trt.engine.capacities import Capacities, pick
 from k3trt.runtime.kv_cache import CacheManager
 from k3trt.runtime.request import Request, Status
 
@@ -38,23 +38,22 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_tokens: int                    # tokens per step: prefill chunks + verify rows
-    verify_capacities: tuple[int, ...]     # batch sizes; the largest is the live-request limit
-    prefill_capacities: tuple[int, ...]    # token counts
+    capacities: Capacities                 # validated; the largest verify capacity is the live-request limit
     max_model_len: int
     prefix_caching: bool = True
     hybrid: bool = True                    # the model has KDA layers (checkpoint chunk ends)
-    spec_tokens: int = 0                   # most drafts per request (issue 5); 0: plain decode
 
     def __post_init__(self) -> None:
-        validate(self.verify_capacities, "verify")
-        validate(self.prefill_capacities, "prefill")
-        if self.max_num_tokens < self.max_batch * (1 + self.spec_tokens):
-            raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must cover the verify rows of every live "
-                             f"request ({self.max_batch} x {1 + self.spec_tokens})")
+        self.capacities.check_budget(self.max_num_tokens)
 
     @property
     def max_batch(self) -> int:
-        return self.verify_capacities[-1]
+        return self.capacities.verify[-1]
+
+    @property
+    def spec_tokens(self) -> int:
+        """Most drafts per request; 0: plain decode."""
+        return self.capacities.spec_tokens
 
 
 @dataclass
@@ -127,7 +126,7 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 plan.decodes.append(req)
                 budget -= rows
-        prefill_budget = min(budget, cfg.prefill_capacities[-1])
+        prefill_budget = min(budget, cfg.capacities.prefill[-1])
         for req in list(self.running):
             if prefill_budget <= 0:
                 break
@@ -155,9 +154,9 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: r.stats.arrival)
             prefill_budget -= took
         if plan.decodes:
-            plan.verify_capacity = pick(cfg.verify_capacities, len(plan.decodes), "verify")
+            plan.verify_capacity = pick(cfg.capacities.verify, len(plan.decodes), "verify")
         if plan.prefills:
-            plan.prefill_capacity = pick(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills), "prefill")
+            plan.prefill_capacity = pick(cfg.capacities.prefill, sum(c.num_tokens for c in plan.prefills), "prefill")
         return plan
 
     def refit(self, plan: StepPlan) -> None:
@@ -165,8 +164,8 @@ class Scheduler:
         plan.decodes = [r for r in plan.decodes if not r.finished]
         plan.prefills = [c for c in plan.prefills if not c.req.finished]
         cfg = self.config
-        plan.verify_capacity = pick(cfg.verify_capacities, len(plan.decodes), "verify") if plan.decodes else None
-        plan.prefill_capacity = pick(cfg.prefill_capacities, sum(c.num_tokens for c in plan.prefills),
+        plan.verify_capacity = pick(cfg.capacities.verify, len(plan.decodes), "verify") if plan.decodes else None
+        plan.prefill_capacity = pick(cfg.capacities.prefill, sum(c.num_tokens for c in plan.prefills),
                                      "prefill") if plan.prefills else None
 
     def _chunk(self, req: Request, budget: int, plan: StepPlan) -> int:

@@ -1,5 +1,5 @@
 """Speculative decoding inside the step loop: drafting before the schedule, acceptance after the
-forward. ``LLM.step`` strings them together (ARCHITECTURE.md, "One step of the runtime"):
+forward. ``StepLoop.step`` (loop.py) strings them together (ARCHITECTURE.md, "One step of the runtime"):
 
   draft    Speculator.draft(decoding requests): drafter.propose → req.drafts (+ req.draft_q)
   schedule 1 + len(drafts) verify rows per decode (drafts are dropped before anyone is preempted)
@@ -7,8 +7,8 @@ forward. ``LLM.step`` strings them together (ARCHITECTURE.md, "One step of the r
   run      verify [last token, *drafts] per request with the KDA state kept after every row
   accept   decide(): per request its rows → processors / penalties (row j counts drafts[:j]) →
            greedy or stochastic acceptance → Verdict (n accepted drafts + the target's token)
-  commit   LLM: stop ids / max_tokens / grammar cut the block; num_computed = old + len(block);
-           KDA rollback to the last kept row; cache.commit frees the rejected rows' blocks;
+  commit   StepLoop: Request.block_end (stop ids / max_tokens) and the grammar cut the block;
+           num_computed = old + len(block); KDA rollback to the last kept row; cache.commit frees the rejected rows' blocks;
            Speculator.committed hands the drafter the kept rows' hidden states and the tokens
 
 The drafter contract is speculative/drafter.py's. A drafter fault is confined to its request: a
@@ -57,13 +57,13 @@ class Speculator:
         return self.enabled and self.drafter.needs_hidden
 
     def wants(self, req: Request) -> bool:
-        """The request speculates (it may still get no drafts in a given step)."""
+        """The request speculates (it may still get no drafts in a given step); a one-token request
+        has nothing to draft for, so the drafter never tracks it."""
         return self.enabled and req.params.speculative and req.params.max_tokens > 1
 
     def limit(self, req: Request) -> int:
-        """Most drafts for the request's next step: n accepted + 1 must fit max_tokens and max_model_len."""
-        return max(0, min(self.k, req.params.max_tokens - req.num_output - 1,
-                          self.max_model_len - len(req.token_ids) - 1))
+        """Most drafts for the request's next step: n accepted + 1 must fit its room (Request.room)."""
+        return max(0, min(self.k, req.room(self.max_model_len) - 1))
 
     # ------------------------------------------------------------------------ draft
     def draft(self, reqs: Sequence[Request], fault: Fault) -> None:

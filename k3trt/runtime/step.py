@@ -7,7 +7,7 @@ engine session, and which logits rows belong to which request.
     out.rows        [Rows]: each request's rows in out.logits (and their hidden states for MTP)
     out.chunk_hidden  per plan.prefills chunk: its rows' hidden states (keep_hidden) or None
 
-Nothing here moves a request's bookkeeping (num_computed, blocks): the loop (llm.py) does, once it
+Nothing here moves a request's bookkeeping (num_computed, blocks): the loop (loop.py) does, once it
 knows what was accepted.
 """
 

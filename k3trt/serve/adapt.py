@@ -1,5 +1,5 @@
-"""From a validated OpenAI request to what the engine runs: prompt ids, one SamplingParams per choice,
-the grammar spec per prompt (if any), and how the output is to be read back.
+"""From a validated OpenAI request to a ``Submission``: what the engine runs (prompt ids, one
+SamplingParams per choice, the GuidedSpec per prompt, if any) and how the output is to be read back.
 
 A grammar's `after_reasoning` must say whether the prompt leaves a `think` block open (the runtime
 refuses a mismatch): chat takes it from the thinking switch the template rendered with, a raw
@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from k3trt.runtime.chat import render_ids
 from k3trt.runtime.params import RequestError, SamplingParams
+from k3trt.runtime.structured import GuidedSpec
+from k3trt.runtime.xtml import OPEN, reasoning_open
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, bad
 
 
 @dataclass(frozen=True)
-class Plan:
+class Submission:
+    """One API request as engine requests: choice i runs prompts[i // n] with params[i]."""
     prompts: tuple[tuple[int, ...], ...]     # one per prompt; choice i uses prompts[i // n]
     params: tuple[SamplingParams, ...]       # one per choice (seeds differ by choice)
     stops: tuple[str, ...]
     thinking: bool | None                    # chat: how to parse the output; None: plain text
     logprobs: int | None                     # top-n alternatives per token; None: no logprobs
-    guided: tuple[Any, ...] | None = None    # a GuidedSpec per prompt, compiled by the caller
+    guided: tuple[GuidedSpec, ...] | None = None   # per prompt; the caller compiles each before admission
     drop_tool_calls: bool = False            # tool_choice "none"
     echo: bool = False
 
@@ -64,7 +67,8 @@ def _messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def chat_plan(req: ChatRequest, tokenizer: Any, *, max_model_len: int, json_max_whitespace: int | None) -> Plan:
+def chat_submission(req: ChatRequest, tokenizer: Any, *, max_model_len: int,
+                    json_max_whitespace: int | None) -> Submission:
     thinking = _thinking(req.chat_template_kwargs)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
@@ -80,12 +84,12 @@ def chat_plan(req: ChatRequest, tokenizer: Any, *, max_model_len: int, json_max_
     field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, [ids], max_tokens, field, logprobs, max_model_len, "messages")
-    return Plan((tuple(ids),), params, req.stop, thinking, logprobs, None if guided is None else (guided,),
+    return Submission((tuple(ids),), params, req.stop, thinking, logprobs, None if guided is None else (guided,),
                 drop_tool_calls=choice == "none")
 
 
-def completion_plan(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, max_model_len: int,
-                    json_max_whitespace: int | None) -> Plan:
+def completion_submission(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, max_model_len: int,
+                          json_max_whitespace: int | None) -> Submission:
     raw = req.prompt
     many = isinstance(raw, list) and raw and not isinstance(raw[0], int)
     prompts = []
@@ -107,16 +111,15 @@ def completion_plan(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, 
                                                               max_whitespace=json_max_whitespace),
                              "response_format") for ids in prompts)
     params = _params(req, prompts, req.max_tokens or 16, "max_tokens", req.logprobs, max_model_len, "prompt")
-    return Plan(tuple(map(tuple, prompts)), params, req.stop, None, req.logprobs, guided, echo=req.echo)
+    return Submission(tuple(map(tuple, prompts)), params, req.stop, None, req.logprobs, guided, echo=req.echo)
 
 
 def _reasoning_open(tokenizer: Any, ids: list[int]) -> bool:
     """The prompt ends inside a `think` block: as the runtime's check_guided reads it."""
-    from k3trt.runtime.xtml import OPEN, reasoning_open
     return OPEN in getattr(tokenizer, "special_ids", {}) and reasoning_open(tokenizer.decode(ids))
 
 
-def _guided_spec(req: ChatRequest, tools: list[dict], thinking: bool, mw: int | None) -> Any:
+def _guided_spec(req: ChatRequest, tools: list[dict], thinking: bool, mw: int | None) -> GuidedSpec | None:
     kw = dict(chat=True, after_reasoning=thinking, max_whitespace=mw)
     constrained = req.tool_choice not in (None, "none", "auto")
     if constrained and req.response_format is not None and req.response_format.type != "text":
@@ -130,11 +133,10 @@ def _guided_spec(req: ChatRequest, tools: list[dict], thinking: bool, mw: int | 
     return None
 
 
-def _spec(make, prefix: str) -> Any:
-    """A GuidedSpec (checked: a bad schema fails here, naming the field). Imported lazily: xgrammar is
-    only needed by requests that ask for structure."""
+def _spec(make: Callable[[type], GuidedSpec | None], prefix: str) -> GuidedSpec | None:
+    """A GuidedSpec (checked: a bad schema fails here, naming the field); xgrammar is imported on the
+    first one, so a server without it fails only the requests that ask for structure."""
     try:
-        from k3trt.runtime.structured import GuidedSpec
         return make(GuidedSpec)
     except ImportError as e:
         raise APIError(400, f"structured output is unavailable on this server: {e}", param=prefix or None) from None

@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from k3trt.serve import metrics
-from k3trt.serve.adapt import Plan, chat_plan, completion_plan
+from k3trt.serve.adapt import Submission, chat_submission, completion_submission
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
-from k3trt.serve.guided import Grammars
+from k3trt.serve.guided import compile_guided
 from k3trt.serve.output import ChoiceStream, Update
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_json, validate
 from k3trt.serve.responses import Envelope, sse, usage
@@ -42,7 +42,6 @@ MAX_BODY_BYTES = 64 << 20
 class ServerState:
     llm: Any
     engine: EngineLoop
-    grammars: Grammars
     model_name: str
     api_key: str | None
     json_max_whitespace: int | None
@@ -54,14 +53,14 @@ class ServerState:
 class Run:
     """One HTTP request's engine requests (one per choice)."""
 
-    def __init__(self, st: ServerState, plan: Plan, params: list, rid: str):
+    def __init__(self, st: ServerState, sub: Submission, params: list, rid: str):
         self.engine, self.queue = st.engine, asyncio.Queue()
         tok = st.llm.tokenizer
-        self.streams = {f"{rid}-{i}": ChoiceStream(i, tok, plan.stops, plan.thinking, plan.drop_tool_calls)
+        self.streams = {f"{rid}-{i}": ChoiceStream(i, tok, sub.stops, sub.thinking, sub.drop_tool_calls)
                         for i in range(len(params))}
         self.live, self.closed = set(self.streams), False
         for i, (r, p) in enumerate(zip(self.streams, params)):
-            self.engine.submit(r, list(plan.prompt_of(i)), p, self.queue)
+            self.engine.submit(r, list(sub.prompt_of(i)), p, self.queue)
 
     async def updates(self) -> AsyncIterator[tuple[ChoiceStream, Update]]:
         while self.live:
@@ -118,12 +117,12 @@ async def _completions(request: Request, chat: bool) -> Response:
                        param="model", code="model_not_found")
     llm = st.llm
     if chat:
-        plan = await asyncio.to_thread(chat_plan, req, llm.tokenizer, max_model_len=llm.max_model_len,
+        sub = await asyncio.to_thread(chat_submission, req, llm.tokenizer, max_model_len=llm.max_model_len,
                                        json_max_whitespace=st.json_max_whitespace)
     else:
-        plan = await asyncio.to_thread(completion_plan, req, llm.tokenizer, vocab_size=llm.vocab_size,
+        sub = await asyncio.to_thread(completion_submission, req, llm.tokenizer, vocab_size=llm.vocab_size,
                                        max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
-    n = len(plan.params)
+    n = len(sub.params)
     if n > st.engine.max_pending:     # would never fit: not worth a retry
         raise APIError(400, f"{n} choices exceed this server's limit of {st.engine.max_pending}", param="n")
     try:
@@ -132,18 +131,19 @@ async def _completions(request: Request, chat: bool) -> Response:
         raise APIError(429, f"The server is busy: {e}. Retry later.", type="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(st.retry_after_s)}) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    env = Envelope(rid, st.model_name, int(time.time()), chat, llm.tokenizer, plan.logprobs)
+    env = Envelope(rid, st.model_name, int(time.time()), chat, llm.tokenizer, sub.logprobs)
     run = None
     try:
-        params = list(plan.params)
-        if plan.guided is not None:     # the runtime makes one matcher per choice from the shared guide
-            guides = [await st.grammars.compile(spec) for spec in plan.guided]
-            params = [dataclasses.replace(p, guided=guides[i // plan.n]) for i, p in enumerate(params)]
-        run = Run(st, plan, params, rid)
+        params = list(sub.params)
+        if sub.guided is not None:      # the runtime makes one matcher per choice from the shared grammar
+            for spec in sub.guided:
+                await compile_guided(llm, spec)
+            params = [dataclasses.replace(p, guided=sub.guided[i // sub.n]) for i, p in enumerate(params)]
+        run = Run(st, sub, params, rid)
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return _Stream(_stream(run, env, plan, include, llm.tokenizer), run)
-        return await _whole(run, env, plan, request, llm.tokenizer)
+            return _Stream(_stream(run, env, sub, include, llm.tokenizer), run)
+        return await _whole(run, env, sub, request, llm.tokenizer)
     except BaseException:
         if run is None:
             st.engine.release(n)
@@ -153,13 +153,13 @@ async def _completions(request: Request, chat: bool) -> Response:
             run.close()
 
 
-async def _stream(run: Run, env: Envelope, plan: Plan, include_usage: bool, tok: Any) -> AsyncIterator[bytes]:
+async def _stream(run: Run, env: Envelope, sub: Submission, include_usage: bool, tok: Any) -> AsyncIterator[bytes]:
     offsets = {}
     for cs in run.streams.values():
         if env.chat:
             yield sse(env.role_chunk(cs.index))
-        elif plan.echo:
-            text = tok.decode(plan.prompt_of(cs.index))
+        elif sub.echo:
+            text = tok.decode(sub.prompt_of(cs.index))
             offsets[cs.index] = len(text)
             yield sse(env.head([{"index": cs.index, "text": text, "logprobs": None, "finish_reason": None}]))
     async for cs, upd in run.updates():
@@ -170,11 +170,11 @@ async def _stream(run: Run, env: Envelope, plan: Plan, include_usage: bool, tok:
             yield sse(chunk)
         offsets[cs.index] = offsets.get(cs.index, 0) + sum(len(d.text) for d in upd.deltas)
     if include_usage:
-        yield sse(env.usage_chunk(usage(sum(map(len, plan.prompts)), list(run.streams.values()))))
+        yield sse(env.usage_chunk(usage(sum(map(len, sub.prompts)), list(run.streams.values()))))
     yield sse("[DONE]")
 
 
-async def _whole(run: Run, env: Envelope, plan: Plan, request: Request, tok: Any) -> Response:
+async def _whole(run: Run, env: Envelope, sub: Submission, request: Request, tok: Any) -> Response:
     logprobs: dict[int, list] = {cs.index: [] for cs in run.streams.values()}
 
     async def consume() -> None:
@@ -192,8 +192,8 @@ async def _whole(run: Run, env: Envelope, plan: Plan, request: Request, tok: Any
     for cs in streams:
         if cs.finish_reason == "error":
             raise APIError(500, cs.error or "generation failed", type="server_error")
-    echo = {cs.index: tok.decode(plan.prompt_of(cs.index)) for cs in streams} if plan.echo else None
-    return JSONResponse(env.whole(streams, logprobs, usage(sum(map(len, plan.prompts)), streams), echo))
+    echo = {cs.index: tok.decode(sub.prompt_of(cs.index)) for cs in streams} if sub.echo else None
+    return JSONResponse(env.whole(streams, logprobs, usage(sum(map(len, sub.prompts)), streams), echo))
 
 
 # ---- small routes ---------------------------------------------------------------------------------
@@ -247,7 +247,6 @@ def create_app(st: ServerState) -> Starlette:
             yield
         finally:
             await asyncio.to_thread(st.engine.stop)
-            st.grammars.close()
             if st.owns_llm:
                 st.llm.close()
 

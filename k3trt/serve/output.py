@@ -9,6 +9,7 @@ len(longest stop) - 1 characters are held back until they cannot start a stop st
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,5 +119,4 @@ class ChoiceStream:
 
 
 def new_call_id() -> str:
-    import uuid
     return f"call_{uuid.uuid4().hex[:24]}"

@@ -34,7 +34,6 @@ def build_app(cfg: ServeConfig, llm: Any = None):
     from k3trt.runtime.llm import LLM
     from k3trt.serve.app import ServerState, create_app
     from k3trt.serve.engine_loop import EngineLoop
-    from k3trt.serve.guided import Grammars
 
     if cfg.max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {cfg.max_queue}")
@@ -44,8 +43,8 @@ def build_app(cfg: ServeConfig, llm: Any = None):
         raise ValueError(f"{cfg.engine_dir}: the engine dir has no tokenizer; the server needs one")
     engine = EngineLoop(llm, max_pending=llm.config.max_batch + cfg.max_queue)
     name = cfg.model_name or Path(cfg.engine_dir).resolve().name
-    st = ServerState(llm, engine, Grammars(llm.tokenizer, llm.vocab_size), name, cfg.api_key,
-                     cfg.json_max_whitespace, cfg.retry_after_s, int(time.time()), owns_llm=owns)
+    st = ServerState(llm, engine, name, cfg.api_key, cfg.json_max_whitespace, cfg.retry_after_s, int(time.time()),
+                     owns_llm=owns)
     return create_app(st)
 
 

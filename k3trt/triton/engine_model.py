@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from k3trt.runtime.xtml import DeltaKind
+from k3trt.serve import metrics
 from k3trt.serve.app import Run
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
-from k3trt.serve.guided import Grammars
+from k3trt.serve.guided import compile_guided
 from k3trt.serve.protocol import APIError
 from k3trt.triton.metrics import TritonMetrics, forward_logs, output_tensors
 from k3trt.triton.requests import Job, parse
@@ -39,6 +41,7 @@ METRICS_PERIOD_S = 0.5
 
 class EngineModel:
     def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
+        # here, not at the top: the stub provides pb, and the engine's heavy imports wait for an instance
         import torch
         import triton_python_backend_utils as pb
 
@@ -55,7 +58,6 @@ class EngineModel:
         self.llm = LLM(params["engine_dir"], device=device, **json.loads(params.get("engine_options") or "{}"))
         if self.llm.tokenizer is None:
             raise RuntimeError(f"{params['engine_dir']}: the engine dir has no tokenizer; Triton serving needs one")
-        self.grammars = Grammars(self.llm.tokenizer, self.llm.vocab_size)     # built on first use
         self.engine = EngineLoop(self.llm, max_pending=self.llm.config.max_batch + int(params.get("max_queue", 256)))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="k3trt-triton", daemon=True)
@@ -85,7 +87,6 @@ class EngineModel:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.metrics.close()
-        self.grammars.close()
         self.llm.close()
         log.info("k3trt model %s stopped", self.instance)
 
@@ -96,14 +97,15 @@ class EngineModel:
             llm = self.llm
             job = await asyncio.to_thread(parse, raw, llm.tokenizer, model=self.name, max_model_len=llm.max_model_len,
                                           vocab_size=llm.vocab_size, json_max_whitespace=self.json_max_whitespace)
-            params = list(job.plan.params)
-            if job.plan.guided is not None:       # compiled here: a grammar xgrammar refuses is a 400
-                guide = await self.grammars.compile(job.plan.guided[0])
-                params = [dataclasses.replace(p, guided=guide) for p in params]
+            sub = job.submission
+            params = list(sub.params)
+            if sub.guided is not None:            # compiled here: a grammar xgrammar refuses is a 400
+                await compile_guided(llm, sub.guided[0])
+                params = [dataclasses.replace(p, guided=sub.guided[0]) for p in params]
             self.engine.admit(len(params))
             admitted = True
             # Run needs only .engine and .llm of the server's state
-            run = Run(types.SimpleNamespace(engine=self.engine, llm=llm), job.plan, params, rid)
+            run = Run(types.SimpleNamespace(engine=self.engine, llm=llm), sub, params, rid)
             await self._respond(run, job, sender, rid)
         except APIError as e:
             where = f"{e.param}: " if e.param and not e.message.startswith(e.param) else ""
@@ -120,7 +122,7 @@ class EngineModel:
                 self.engine.release(len(params))
 
     async def _respond(self, run: Run, job: Job, sender: "_Sender", rid: str) -> None:
-        prompt_tokens = len(job.plan.prompts[0])
+        prompt_tokens = len(job.submission.prompts[0])
 
         async def consume() -> None:
             async for cs, upd in run.updates():
@@ -158,7 +160,6 @@ class EngineModel:
                 "stats": json.dumps(stats, default=str)}
 
     async def _publish_metrics(self) -> None:
-        from k3trt.serve import metrics
         while True:
             try:
                 self.metrics.update(metrics.render(await self.engine.stats(), self.engine))
@@ -170,7 +171,6 @@ class EngineModel:
 
 
 def _split(deltas: list) -> tuple[str, str]:
-    from k3trt.runtime.xtml import DeltaKind
     text = "".join(d.text for d in deltas if d.kind is DeltaKind.CONTENT)
     return text, "".join(d.text for d in deltas if d.kind is DeltaKind.REASONING)
 

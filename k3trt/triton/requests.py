@@ -1,4 +1,4 @@
-"""From a Triton request's input tensors to what the engine runs (the OpenAI server's Plan).
+"""From a Triton request's input tensors to what the engine runs (the OpenAI server's Submission).
 
 The tensors are turned into the body of an OpenAI chat (`messages`) or completion (`text_input`)
 request and go through the server's own validation and planning (serve.protocol, serve.adapt),
@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from k3trt.runtime.params import RequestError
-from k3trt.serve.adapt import Plan, chat_plan, completion_plan
+from k3trt.runtime.structured import GuidedSpec
+from k3trt.serve.adapt import Submission, chat_submission, completion_submission
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, bad, validate
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -30,7 +31,7 @@ RENAME = {"prompt": "text_input", "chat_template_kwargs": "thinking", "max_compl
 
 @dataclass(frozen=True)
 class Job:
-    plan: Plan                        # plan.guided: one GuidedSpec per prompt (one prompt), or None
+    submission: Submission            # .guided: one GuidedSpec per prompt (one prompt), or None
     stream: bool
 
 
@@ -63,20 +64,20 @@ def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_mode
                     {"type": "function", "function": {"name": choice}}
             if (thinking := one("thinking")) is not None:
                 body["chat_template_kwargs"] = {"thinking": thinking}
-            plan = chat_plan(validate(ChatRequest, body), tokenizer, max_model_len=max_model_len,
+            sub = chat_submission(validate(ChatRequest, body), tokenizer, max_model_len=max_model_len,
                              json_max_whitespace=json_max_whitespace)
         else:
             given = [k for k in CHAT_ONLY if k in raw]
             if given:
                 raise bad(given[0], f"{given[0]} needs messages (chat), not text_input")
-            plan = completion_plan(validate(CompletionRequest, {**body, "prompt": text}), tokenizer,
-                                   vocab_size=vocab_size, max_model_len=max_model_len,
-                                   json_max_whitespace=json_max_whitespace)
+            sub = completion_submission(validate(CompletionRequest, {**body, "prompt": text}), tokenizer,
+                                        vocab_size=vocab_size, max_model_len=max_model_len,
+                                        json_max_whitespace=json_max_whitespace)
     except APIError as e:
         raise _renamed(e, "guided_json" if regex is None else "guided_regex") from None
     if regex is not None:
-        plan = dataclasses.replace(plan, guided=tuple(_with_regex(spec, regex) for spec in plan.guided))
-    return Job(plan, bool(one("stream")))
+        sub = dataclasses.replace(sub, guided=tuple(_with_regex(spec, regex) for spec in sub.guided))
+    return Job(sub, bool(one("stream")))
 
 
 class _Reader:
@@ -121,7 +122,7 @@ def _renamed(e: APIError, guided: str) -> APIError:
     return e
 
 
-def _with_regex(spec: Any, regex: str) -> Any:
+def _with_regex(spec: GuidedSpec, regex: str) -> GuidedSpec:
     if not isinstance(regex, str) or not regex:
         raise bad("guided_regex", "guided_regex must be a non-empty string")
     try:

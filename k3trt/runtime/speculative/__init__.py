@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from k3trt.runtime.speculative.acceptance import (AcceptanceStats, Accepted, accept_greedy, accept_stochastic,
-                                                  pad_drafts, pad_q, truncate_at_stop)
+                                                  pad_drafts, pad_q)
 from k3trt.runtime.speculative.drafter import DraftInput, Drafter, NoDrafter, Proposal
 from k3trt.runtime.speculative.ngram import NgramConfig, NgramDrafter
 
@@ -24,7 +24,7 @@ MAX_SPEC_TOKENS = 7
 
 __all__ = ["AcceptanceStats", "Accepted", "DraftInput", "Drafter", "NgramConfig", "NgramDrafter", "NoDrafter",
            "Proposal", "accept_greedy", "accept_stochastic", "make_drafter", "pad_drafts", "pad_q",
-           "spec_tokens_for", "truncate_at_stop"]
+           "spec_tokens_for"]
 
 
 def spec_tokens_for(spec: str, requested: int | None, *, built: int) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Sequence
 
 import torch
 
@@ -116,18 +116,6 @@ def accept_stochastic(p: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.T
 
     ns, dl, fl = n.tolist(), drafts.tolist(), final.tolist()
     return Accepted(ns, [dl[b][:m] + [fl[b]] for b, m in enumerate(ns)], num_drafts.tolist())
-
-
-def truncate_at_stop(tokens: Sequence[int], stop_ids: Collection[int], max_new: int | None = None
-                     ) -> tuple[list[int], bool]:
-    """Cut an emitted block after its first stop token (EOS / stop_token_ids; kept, as plain
-    decoding keeps it) and to at most `max_new` tokens. Returns (tokens, hit a stop token). The
-    runtime commits only these and passes the same list to ``Drafter.on_commit``."""
-    out = list(tokens if max_new is None else tokens[:max(max_new, 0)])
-    for i, t in enumerate(out):
-        if t in stop_ids:
-            return out[:i + 1], True
-    return out, False
 
 
 @dataclass

@@ -101,7 +101,7 @@ def stack_q(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 @dataclass
-class _Seq:
+class _DraftSeq:
     slot: int
     blocks: list[int] = field(default_factory=list)
     cached: int = 0                            # leading history tokens in the caches
@@ -123,7 +123,7 @@ class DraftModelDrafter(Drafter):
                                          layers=range(cfg.num_hidden_layers))
         self.blocks = BlockList(nb)
         self.free_slots = list(range(max_live - 1, -1, -1))
-        self.seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, _DraftSeq] = {}
         log.info("draft model: %d layers, %d cache blocks x %d, %d slots, k <= %d", cfg.num_hidden_layers, nb,
                  block_size, max_live, k_max)
 
@@ -142,7 +142,7 @@ class DraftModelDrafter(Drafter):
     def propose(self, inputs: Sequence[DraftInput], k: int) -> Proposal:
         k = min(k, self.k_max)
         out = Proposal.empty(len(inputs))
-        live: list[tuple[int, DraftInput, _Seq, int]] = []
+        live: list[tuple[int, DraftInput, _DraftSeq, int]] = []
         for i, inp in enumerate(inputs):
             want, L = inp.limit(k), len(inp.token_ids)
             st = self._seq(inp) if want else None
@@ -193,12 +193,12 @@ class DraftModelDrafter(Drafter):
             self.free_slots.append(st.slot)
 
     # ------------------------------------------------------------------------ internals
-    def _seq(self, inp: DraftInput) -> _Seq | None:
+    def _seq(self, inp: DraftInput) -> _DraftSeq | None:
         st = self.seqs.get(inp.request_id)
         if st is None:
             if not self.free_slots:
                 return None
-            st = self.seqs[inp.request_id] = _Seq(self.free_slots.pop())
+            st = self.seqs[inp.request_id] = _DraftSeq(self.free_slots.pop())
         if st.generator is None and self.sample_drafts and inp.params is not None and not inp.params.greedy:
             st.generator = sampling.make_generator(inp.seed, self.device)
         return st
@@ -215,7 +215,7 @@ class DraftModelDrafter(Drafter):
             layer.step_state[s, j] = layer.state[s]
             layer.step_conv[s, j] = layer.conv[s]
 
-    def _rollback(self, st: _Seq, committed: Sequence[int]) -> None:
+    def _rollback(self, st: _DraftSeq, committed: Sequence[int]) -> None:
         """Keep the fed drafts that `committed` confirms (see module doc), restore that KDA state."""
         m = min(common_prefix(st.fed, committed), max(len(committed) - 1, 0))
         with torch.inference_mode():

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Seq:
+class _MTPSeq:
     blocks: list[int] = field(default_factory=list)
     valid: int = 0                             # MTP cache positions computed from true hiddens
     hidden: torch.Tensor | None = None         # target hiddens of positions valid.. [m, H]
@@ -73,7 +73,7 @@ class MTPDrafter(Drafter):
         self.cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=1, dtype=p.dtype,
                                          device=self.device, layers=range(self.idx, self.idx + 1))
         self.blocks = BlockList(nb)
-        self.seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, _MTPSeq] = {}
         self.blind: set[str] = set()      # requests whose first hand-over skipped positions (prefix hit)
 
     # ------------------------------------------------------------------------ drafter API
@@ -87,7 +87,7 @@ class MTPDrafter(Drafter):
                           request_id, start)
                 self.blind.add(request_id)
                 return
-            st = self.seqs[request_id] = _Seq()
+            st = self.seqs[request_id] = _MTPSeq()
         if start > st.known:
             raise ValueError(f"MTP drafter: hidden states for {request_id} start at position {start} but only "
                              f"positions < {st.known} were handed over (every committed position is needed)")
@@ -101,7 +101,7 @@ class MTPDrafter(Drafter):
     def propose(self, inputs: Sequence[DraftInput], k: int) -> Proposal:
         k = min(k, self.k_max)
         out = Proposal.empty(len(inputs))
-        live: list[tuple[int, DraftInput, _Seq, int]] = []
+        live: list[tuple[int, DraftInput, _MTPSeq, int]] = []
         for i, inp in enumerate(inputs):
             want, N = inp.limit(k), len(inp.token_ids)
             st = self.seqs.get(inp.request_id)

@@ -5,9 +5,9 @@ Pieces: `GuidedSpec` (what to match; checked when made), `GrammarVocab` (one tok
 vocab size, built once per engine), `GrammarCache` (compiles off the step loop), `GuidedState`
 (one request's matcher + reasoning gate), `apply_masks` (bitmask onto logits).
 
-How the runtime drives it (the engine's side lives in runtime.py: `Grammars` holds the vocabulary,
-the cache and the bitmask, `check_guided` refuses a request at submission; `SamplingParams.guided`
-takes a GuidedSpec, a dict of its fields or a CompiledGuide):
+How the runtime drives it (the engine's side lives in runtime.py: `GrammarRuntime` holds the
+vocabulary, the cache and the bitmask, `check_guided` refuses a request at submission;
+`SamplingParams.guided` is always a GuidedSpec, made once from what the caller gave):
     vocab = GrammarVocab(tokenizer, vocab_size=model_vocab_size)      # once per engine
     cache = GrammarCache()                                            # once per engine
     bitmask = vocab.allocate_bitmask(max_rows, pin=True)              # once; rows reused per step

@@ -1,8 +1,10 @@
 """The engine's side of structured output: one `GrammarVocab` (built on first use, off the step loop),
-one `GrammarCache`, the bitmask rows of a step, and the submission check of a guided request.
+one `GrammarCache` (the one compile path: GuidedSpec -> CompiledGuide, cached), the bitmask rows
+of a step, and the submission check of a guided request.
 
-    grammars = Grammars(tokenizer, vocab_size, rows=max_batch * (K + 1))   # per engine, cheap
+    grammars = GrammarRuntime(tokenizer, vocab_size, rows=max_batch * (K + 1))   # per engine, cheap
     req.guide_future = grammars.submit(params.guided)   # at add_request: never blocks
+                                                # (thread-safe: the server compiles ahead with it)
     grammars.attach_ready(waiting, fault)       # each step: compiled ones get their matcher
     grammars.cut_drafts(reqs, fault)            # after the schedule, before the forward: drafts cut at
                                                 #   the first token the grammar refuses (then refit)
@@ -17,8 +19,7 @@ requests). Fills of many requests go through xgrammar's BatchGrammarMatcher (C++
 `batch_min` guided requests on; fewer are filled one by one (GuidedState.fill_masks).
 
 `check_guided` runs at submission (request.new_request): a guided request needs the engine's
-tokenizer, a compiled guide must belong to this vocabulary size, and `after_reasoning` must match
-the prompt (thinking on: the prompt leaves a `think` block open; xtml.reasoning_open).
+tokenizer, and `after_reasoning` must match the prompt (thinking on: the prompt leaves a `think` block open; xtml.reasoning_open).
 """
 
 from __future__ import annotations
@@ -34,21 +35,16 @@ from k3trt.runtime.params import RequestError
 from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache
 from k3trt.runtime.structured.spec import GuidedSpec
 from k3trt.runtime.structured.state import fill_masks_batch
-from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, num_words
+from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, num_words, xgr
+from k3trt.runtime.xtml import OPEN, reasoning_open
 
 log = logging.getLogger(__name__)
 
 
-def check_guided(guided: GuidedSpec | CompiledGuide, prompt_ids: Sequence[int], tokenizer: Any,
-                 vocab_size: int) -> None:
+def check_guided(spec: GuidedSpec, prompt_ids: Sequence[int], tokenizer: Any) -> None:
     """Refuse (RequestError naming the field) a guided request this engine cannot run as asked."""
     if tokenizer is None:
         raise RequestError("guided", "structured output needs the engine's tokenizer (the engine dir has none)")
-    spec = guided.spec if isinstance(guided, CompiledGuide) else guided
-    if isinstance(guided, CompiledGuide) and guided.vocab.vocab_size != vocab_size:
-        raise RequestError("guided", f"compiled for a vocabulary of {guided.vocab.vocab_size} ids; this "
-                                     f"engine's has {vocab_size}")
-    from k3trt.runtime.xtml import OPEN, reasoning_open
     if OPEN not in getattr(tokenizer, "special_ids", {}):
         return                               # not a K3 tokenizer: no think channel to match
     thinking = reasoning_open(tokenizer.decode(prompt_ids))
@@ -58,7 +54,7 @@ def check_guided(guided: GuidedSpec | CompiledGuide, prompt_ids: Sequence[int], 
                                                      f"set after_reasoning={thinking}")
 
 
-class Grammars:
+class GrammarRuntime:
     """Per engine: the vocabulary, the compile cache and the step's bitmask (module doc)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, rows: int, threads: int = 2,
@@ -140,7 +136,6 @@ class Grammars:
     # ---- internals ----------------------------------------------------------------------------------
     def _batch(self) -> Any:
         if self._batcher is None:
-            from k3trt.runtime.structured.vocab import xgr
             self._batcher = xgr().BatchGrammarMatcher(self.fill_threads)
         return self._batcher
 
@@ -151,13 +146,12 @@ class Grammars:
                 self._vocab = self._builder.submit(GrammarVocab, self._tokenizer, vocab_size=self._vocab_size)
             return self._vocab
 
-    def submit(self, guided: GuidedSpec | CompiledGuide) -> "Future[CompiledGuide]":
-        """The compiled guide as a Future (done at once for a CompiledGuide); it raises GrammarError
-        when xgrammar refuses the spec."""
+    def submit(self, spec: GuidedSpec) -> "Future[CompiledGuide]":
+        """The compiled guide as a Future; it raises GrammarError when xgrammar refuses the spec.
+        Thread-safe (the vocabulary build and the cache are locked): the server calls it from its
+        event loop to refuse a bad grammar before admission, and the step loop's submission of the
+        same spec then finds it in the cache."""
         out: Future[CompiledGuide] = Future()
-        if isinstance(guided, CompiledGuide):
-            out.set_result(guided)
-            return out
 
         def relay(inner: Future) -> None:
             e = inner.exception()
@@ -169,7 +163,7 @@ class Grammars:
                 out.set_exception(e)
                 return
             try:
-                self.cache.submit(guided, vf.result()).add_done_callback(relay)
+                self.cache.submit(spec, vf.result()).add_done_callback(relay)
             except BaseException as e:    # the pool is shut down
                 out.set_exception(e)
 
