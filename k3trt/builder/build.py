@@ -35,6 +35,7 @@ import k3trt
 from k3trt.builder.capacities import Capacities
 from k3trt.builder.engine_dir import (DTYPES, BuildConfig, EngineDir, EngineDirError, check_output, is_engine_dir,
                                       read_engine_dir, sha256_file, write_engine_dir)
+from k3trt.model.checkpoint_check import validate_weights
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     from k3trt.builder.backends import check_checkpoint
     cfg = check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
+    validate_weights(checkpoint, cfg)           # names, shapes, dtypes from the headers, before long work
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
                         max_num_tokens=max_num_tokens,
