@@ -75,11 +75,12 @@ def expected_tensors(cfg: ModelConfig) -> list[Expected]:
 
 @dataclass
 class Report:
-    """What check_reader found; `ok` when nothing."""
+    """What check_reader found; `ok` when nothing. Problems are kept per kind as (checkpoint name,
+    line); the message shows one line per rule (template) with a count of the others like it."""
     where: str
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    wrong: list[str] = field(default_factory=list)
+    missing: list[tuple[str, str]] = field(default_factory=list)
+    unexpected: list[tuple[str, str]] = field(default_factory=list)
+    wrong: list[tuple[str, str]] = field(default_factory=list)
     params: int = 0
     weight_bytes: int = 0
 
@@ -93,9 +94,14 @@ class Report:
                  f"({len(self.missing)} missing, {len(self.unexpected)} unexpected, {len(self.wrong)} wrong "
                  "shape or dtype)"]
         for kind in (self.wrong, self.missing, self.unexpected):
-            lines += [f"  {p}" for p in kind[:SHOWN]]
-            if len(kind) > SHOWN:
-                lines.append(f"  ... and {len(kind) - SHOWN} more like these")
+            groups: dict[str, list[str]] = {}
+            for name, line in kind:
+                groups.setdefault(template(name), []).append(line)
+            for i, same in enumerate(groups.values()):
+                if i == SHOWN:
+                    lines.append(f"  ... and {len(groups) - SHOWN} more kinds")
+                    break
+                lines.append(f"  {same[0]}" + (f" [and {len(same) - 1} more like it]" if len(same) > 1 else ""))
         return "\n".join(lines)
 
     def raise_if_bad(self) -> None:
@@ -109,7 +115,7 @@ def _check_one(reader, exp: Expected, name: str, used: set[str], report: Report)
         try:
             _, shape, suffixes = inspect_linear_weight(reader, module)
         except CheckpointError as e:
-            report.wrong.append(str(e))
+            report.wrong.append((name, str(e)))
             used.update(f"{module}.{s}" for s in WEIGHT_SUFFIXES)
             return
         used.update(f"{module}.{s}" for s in suffixes)
@@ -120,23 +126,23 @@ def _check_one(reader, exp: Expected, name: str, used: set[str], report: Report)
         report.weight_bytes += info.nbytes
         shape = info.shape
         if not info.dtype.is_floating_point:
-            report.wrong.append(f"tensor '{name}' has dtype {info.dtype}; expected a floating type")
+            report.wrong.append((name, f"tensor '{name}' has dtype {info.dtype}; expected a floating type"))
             return
     if tuple(shape) not in (exp.shape, exp.stored):
-        report.wrong.append(f"tensor '{name}' has shape {tuple(shape)}; model parameter '{exp.param}' "
-                            f"expects {exp.shape}")
+        report.wrong.append((name, f"tensor '{name}' has shape {tuple(shape)}; model parameter "
+                                   f"'{exp.param}' expects {exp.shape}"))
 
 
 def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
     """Check every tensor name, shape and dtype of `reader`'s index against `cfg`'s model."""
-    report, used, known = Report(str(reader.path)), set(), set()
+    report, used, known, nearest = Report(str(reader.path)), set(), set(), {}
     prefix = checkpoint_prefix(cfg)
     for exp in expected_tensors(cfg):
         known.update(template(n) for n in exp.names)
         report.params += int(torch.Size(exp.shape).numel())
         name = pick_name(reader, exp.names)
         if not _present(reader, name):
-            report.missing.append(f"missing tensor '{name}' (model parameter '{exp.param}')")
+            report.missing.append((name, f"missing tensor '{name}' (model parameter '{exp.param}')"))
             continue
         _check_one(reader, exp, name, used, report)
     for name in reader.names():
@@ -146,12 +152,14 @@ def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
         if main is not None:
             main = prefix + (main if prefix + main in reader else "model.embed_tokens.weight")
             if main in reader and reader.shape(name) != reader.shape(main):
-                report.wrong.append(f"tensor '{name}' (an MTP layer's copy of '{main}') has shape "
-                                    f"{reader.shape(name)}; '{main}' has {reader.shape(main)}")
+                report.wrong.append((name, f"tensor '{name}' (an MTP layer's copy of '{main}') has shape "
+                                           f"{reader.shape(name)}; '{main}' has {reader.shape(main)}"))
             continue
-        near = difflib.get_close_matches(template(name), sorted(known), n=1, cutoff=0.0)
-        report.unexpected.append(f"unexpected tensor '{name}'"
-                                 + (f" (nearest known rule: '{near[0]}')" if near else ""))
+        tmpl = template(name)
+        if tmpl not in nearest:
+            near = difflib.get_close_matches(tmpl, sorted(known), n=1, cutoff=0.0)
+            nearest[tmpl] = f" (nearest known rule: '{near[0]}')" if near else ""
+        report.unexpected.append((name, f"unexpected tensor '{name}'{nearest[tmpl]}"))
     return report
 
 

@@ -111,3 +111,24 @@ def template(name: str) -> str:
     """A checkpoint name with its layer and expert numbers abstracted: the rule it would follow."""
     name = re.sub(r"(?<=layers\.)\d+", "{i}", name)
     return re.sub(r"(?<=experts\.)\d+", "{e}", name)
+
+
+def vision_shapes(vc: dict, text_hidden: int) -> dict[str, tuple[int, ...]]:
+    """The vision tower (MoonViT, transformers' ``kimi_k25``) and projector tensors of a K3
+    checkpoint under their published names, for a ``vision_config``; k3trt skips them
+    (SKIP_PREFIXES) until vision is supported."""
+    h, inter, p, layers = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"], vc["num_hidden_layers"]
+    merged = h * vc["merge_kernel_size"][0] * vc["merge_kernel_size"][1]
+    out = {"vision_tower.patch_embed.proj.weight": (h, 3, p, p), "vision_tower.patch_embed.proj.bias": (h,),
+           "vision_tower.patch_embed.pos_emb.weight": (vc["pos_emb_height"], vc["pos_emb_width"], h)}
+    for b in range(layers):
+        pre = f"vision_tower.encoder.blocks.{b}."
+        for name, shape in (("norm0", (h,)), ("norm1", (h,)), ("wqkv", (3 * h, h)), ("wo", (h, h)),
+                            ("mlp.fc0", (inter, h)), ("mlp.fc1", (h, inter))):
+            out[pre + name + ".weight"] = shape
+            out[pre + name + ".bias"] = shape[:1]
+    out.update({"vision_tower.encoder.final_layernorm.weight": (h,), "vision_tower.encoder.final_layernorm.bias": (h,),
+                "mm_projector.pre_norm.weight": (h,), "mm_projector.pre_norm.bias": (h,),
+                "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
+                "mm_projector.proj.2.weight": (text_hidden, merged), "mm_projector.proj.2.bias": (text_hidden,)})
+    return out
