@@ -52,7 +52,10 @@ def make_checkpoint(preset: str, out_dir: str | Path, *, seed: int = 0, quant: s
         # weights ship in bf16 (quantized formats keep their own dtypes, e.g. fp32 block scales)
         tensors = checkpoint_tensors(model.to(torch.bfloat16), cfg, quant)
         del model
-        tensors.update(_vision_tensors(raw, seed))
+        # the vision tensors go after the embedding, into the shard the first layers start (an own
+        # shard would be one more file for a few kB)
+        first = next(iter(tensors))
+        tensors = {first: tensors.pop(first), **_vision_tensors(raw, seed), **tensors}
         if quant != "none":
             raw["text_config"]["quantization_config"] = quant_config(quant)
         write_checkpoint(tmp, {k: v.cpu() for k, v in tensors.items()}, max_shard_bytes=SHARD_BYTES[preset])
