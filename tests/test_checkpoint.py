@@ -203,3 +203,14 @@ def test_build_validates_the_weight_index(tiny_ckpt, tmp_path):
     res = CliRunner().invoke(main, ["build", str(bad), "-o", str(tmp_path / "engine"), "--backend", "torch"])
     assert res.exit_code != 0 and f"missing tensor '{Q_A}'" in res.output
     assert not (tmp_path / "engine").exists()
+
+
+def test_language_model_layers_spelling_loads(tiny_ckpt, tiny_model, tmp_path):
+    """K3 checkpoints may name layers language_model.layers.* (the serving code maps them to
+    language_model.model.layers.*); both load the same."""
+    _, ref = tiny_model
+    d = _rewrite(tiny_ckpt, tmp_path / "short", lambda t: _renamed(t, "language_model.model.layers.",
+                                                                      "language_model.layers."))
+    _, model = load_model(d)
+    want = dict(ref.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())

@@ -15,7 +15,7 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_io import CheckpointError, CheckpointReader
-from k3trt.model.layout import SKIP_PREFIXES, checkpoint_prefix, copy_of, source, template
+from k3trt.model.layout import PREFIX_ALIASES, SKIP_PREFIXES, checkpoint_prefix, copy_of, source, template
 from k3trt.model.quant import WEIGHT_SUFFIXES, inspect_linear_weight
 
 log = logging.getLogger(__name__)
@@ -163,10 +163,20 @@ def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
     return report
 
 
+def open_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig) -> CheckpointReader:
+    """A reader over `ckpt_dir` presenting the names of the published layout (PREFIX_ALIASES)."""
+    reader = CheckpointReader(ckpt_dir)
+    if checkpoint_prefix(cfg):
+        n = reader.alias_prefixes(PREFIX_ALIASES)
+        if n:
+            log.info("%d tensors named %s are read as %s", n, *PREFIX_ALIASES[0])
+    return reader
+
+
 def validate_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> Report:
     """check_reader over the checkpoint at `ckpt_dir`; raises WeightError listing every problem,
     else logs what the weights hold and returns the report."""
-    with CheckpointReader(ckpt_dir) as reader:
+    with open_checkpoint(ckpt_dir, cfg) as reader:
         report = check_reader(reader, cfg)
     report.raise_if_bad()
     log.info("checkpoint %s fits its config: %.2fB parameters, %.2f GB of weights",
@@ -174,5 +184,5 @@ def validate_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> Report:
     return report
 
 
-__all__ = ["WeightError", "Expected", "Report", "check_reader", "expected_tensors", "validate_weights",
+__all__ = ["WeightError", "Expected", "Report", "check_reader", "expected_tensors", "open_checkpoint", "validate_weights",
            "linear_like", "pick_name"]

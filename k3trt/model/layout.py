@@ -25,6 +25,8 @@ from k3trt.config import ModelConfig
 
 # A kimi_k3 checkpoint nests the language model under this prefix; a bare Kimi-Linear one does not.
 K3_PREFIX = "language_model."
+# Other spellings of a K3 checkpoint's prefixes (the serving code maps them the same way).
+PREFIX_ALIASES: tuple[tuple[str, str], ...] = (("language_model.layers.", "language_model.model.layers."),)
 # Parts of a K3 checkpoint the model does not use yet (vision): skipped by prefix, and logged.
 SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 

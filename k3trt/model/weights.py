@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from k3trt.config import ModelConfig
-from k3trt.model.checkpoint_check import WeightError, check_reader, linear_like, pick_name
+from k3trt.model.checkpoint_check import WeightError, check_reader, linear_like, open_checkpoint, pick_name
 from k3trt.model.checkpoint_io import CheckpointReader
 from k3trt.model.layout import SKIP_PREFIXES, Source, checkpoint_prefix, copy_of, source
 from k3trt.model.quant import WEIGHT_SUFFIXES, load_linear_weight, quantize_for_checkpoint
@@ -76,7 +76,7 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
     checkpoint at `ckpt_dir`, strictly. With `pc`, `model` is rank pc.rank's shard (built with a
     Comm of that config) and gets its slice of every tensor."""
     prefix = checkpoint_prefix(cfg)
-    with CheckpointReader(ckpt_dir) as reader:
+    with open_checkpoint(ckpt_dir, cfg) as reader:
         check_reader(reader, cfg).raise_if_bad()
         skipped = reader.skip_prefixes(SKIP_PREFIXES)
         if skipped:
