@@ -4,15 +4,15 @@ greedy tokens equal generate's."""
 
 import pytest
 import torch
-
 from hf_utils import hf_logits, hf_model, save
+from model_utils import BLOCK, num_blocks, step_ctx
+
 from k3trt.model.context import ModelCache
 from k3trt.model.loader import load_model
 from k3trt.testing import rel_norm_error
-from model_utils import BLOCK, num_blocks, step_ctx
 
 REL = 1e-4
-VARIANTS = {"q_lora-grouped": dict(q_lora=True, grouped=True), "no_q_lora-ungrouped": dict(q_lora=False, grouped=False)}
+VARIANTS = {"q_lora-grouped": {"q_lora": True, "grouped": True}, "no_q_lora-ungrouped": {"q_lora": False, "grouped": False}}
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -263,7 +263,7 @@ def test_tiktoken_model_uses_the_tiktoken_library_when_installed(kimi, monkeypat
     import importlib.util
 
     from k3trt.runtime import tokenizer as tk
-    d, ranks, tok = kimi
+    d, _, tok = kimi
     assert isinstance(tok._backend, tk._TiktokenBackend)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tiktoken" else real(name, *a))

@@ -20,6 +20,9 @@ from k3trt.model.quant import WEIGHT_SUFFIXES, inspect_linear_weight
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Expected", "Report", "WeightError", "check_reader", "expected_tensors", "linear_like", "open_checkpoint",
+           "pick_name", "validate_weights"]
+
 SHOWN = 8       # problems of each kind quoted in an error message
 
 
@@ -90,9 +93,9 @@ class Report:
 
     def message(self) -> str:
         n = len(self.missing) + len(self.unexpected) + len(self.wrong)
-        lines = [f"checkpoint {self.where} does not fit its config.json: {n} problems "
-                 f"({len(self.missing)} missing, {len(self.unexpected)} unexpected, {len(self.wrong)} wrong "
-                 "shape or dtype)"]
+        lines = [(f"checkpoint {self.where} does not fit its config.json: {n} problems "
+                  f"({len(self.missing)} missing, {len(self.unexpected)} unexpected, {len(self.wrong)} wrong "
+                  "shape or dtype)")]
         for kind in (self.wrong, self.missing, self.unexpected):
             groups: dict[str, list[str]] = {}
             for name, line in kind:
@@ -129,8 +132,8 @@ def _check_one(reader, exp: Expected, name: str, used: set[str], report: Report)
             report.wrong.append((name, f"tensor '{name}' has dtype {info.dtype}; expected a floating type"))
             return
     if tuple(shape) not in (exp.shape, exp.stored):
-        report.wrong.append((name, f"tensor '{name}' has shape {tuple(shape)}; model parameter "
-                                   f"'{exp.param}' expects {exp.shape}"))
+        msg = f"tensor '{name}' has shape {tuple(shape)}; model parameter '{exp.param}' expects {exp.shape}"
+        report.wrong.append((name, msg))
 
 
 def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
@@ -152,8 +155,9 @@ def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
         if main is not None:
             main = prefix + (main if prefix + main in reader else "model.embed_tokens.weight")
             if main in reader and reader.shape(name) != reader.shape(main):
-                report.wrong.append((name, f"tensor '{name}' (an MTP layer's copy of '{main}') has shape "
-                                           f"{reader.shape(name)}; '{main}' has {reader.shape(main)}"))
+                msg = (f"tensor '{name}' (an MTP layer's copy of '{main}') has shape {reader.shape(name)}; "
+                       f"'{main}' has {reader.shape(main)}")
+                report.wrong.append((name, msg))
             continue
         tmpl = template(name)
         if tmpl not in nearest:
@@ -182,7 +186,3 @@ def validate_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> Report:
     log.info("checkpoint %s fits its config: %.2fB parameters, %.2f GB of weights",
              ckpt_dir, report.params / 1e9, report.weight_bytes / 1e9)
     return report
-
-
-__all__ = ["WeightError", "Expected", "Report", "check_reader", "expected_tensors", "open_checkpoint", "validate_weights",
-           "linear_like", "pick_name"]

@@ -18,8 +18,8 @@ writes a dense layer under ``block_sparse_moe.`` (its conversion renames every `
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from k3trt.config import ModelConfig
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -36,8 +36,8 @@ from k3trt.parallel.shard import WHOLE, Part, ShardError, param_part
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightError", "SKIP_PREFIXES", "checkpoint_prefix", "load_weights", "checkpoint_tensors",
-           "QUANT_TARGETS", "init_random_"]
+__all__ = ["QUANT_TARGETS", "SKIP_PREFIXES", "WeightError", "checkpoint_prefix", "checkpoint_tensors", "init_random_",
+           "load_weights"]
 
 
 def _read(reader: CheckpointReader, name: str, expect: torch.Size, dtype: torch.dtype, param: str,
