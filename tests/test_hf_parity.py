@@ -143,3 +143,23 @@ def test_quantized_published_layout_matches_dequantized_reference(tmp_path, quan
     got = _steps(cfg, model, ids, [8, 4])
     assert rel_norm_error(got, hf_logits(ref, ids)) <= REL
     assert rel_norm_error(got, hf_logits(hf_model(), ids)) > REL       # the weights really were quantized
+
+
+def test_k3trt_written_checkpoint_loads_in_transformers(pair, tmp_path):
+    """The inverse: k3trt's writer (make-checkpoint's) gives names, shapes and a released-style
+    config.json that transformers' kimi_linear loads strictly, with the same logits."""
+    import json
+
+    from transformers import KimiLinearForCausalLM
+
+    from k3trt.model.checkpoint_io import write_checkpoint
+    from k3trt.model.weights import checkpoint_tensors
+
+    hf, cfg, model, _ = pair
+    write_checkpoint(tmp_path, checkpoint_tensors(model, cfg), max_shard_bytes=1 << 20)
+    raw = {**cfg.to_dict(), "model_type": "kimi_linear", "pad_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    again, info = KimiLinearForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info                      # nothing missing, unexpected or mismatched
+    ids = torch.randint(3, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(7))
+    assert rel_norm_error(hf_logits(again.eval(), ids), hf_logits(hf, ids)) <= 1e-6
