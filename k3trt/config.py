@@ -1,9 +1,14 @@
 """Typed, frozen configuration read once from a checkpoint's ``config.json``.
 
 A K3 checkpoint has ``model_type: "kimi_k3"`` with the language model under ``text_config``; a
-bare KimiLinear text config (``model_type: "kimi_linear"``) is accepted too. Every field of
-spec/K3_MODEL.md is here; fields the spec gives defaults for take those defaults, fields it does
+bare Kimi-Linear text config (``model_type: "kimi_linear"``) is a supported model too. Every field
+of spec/K3_MODEL.md is here; fields the spec gives defaults for take those defaults, fields it does
 not are required. Errors name the field (``text_config.hidden_size``) and the file.
+
+Both config styles parse: the released one (``linear_attn_config``, ``first_k_dense_replace``,
+``max_position_embeddings``...) and the one transformers' ``KimiLinearConfig`` writes, which spells
+some fields differently (``ALIASES``), lists layer kinds as ``layer_types`` / ``mlp_layer_types``
+and keeps the KDA geometry in ``linear_num_heads`` / ``linear_head_dim`` / ``linear_conv_kernel_dim``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,29 @@ TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3_text")
 TOP_MODEL_TYPE = "kimi_k3"
 
 
+# Other spellings of a field (transformers' attribute_map of KimiLinearConfig / DeepseekV3Config).
+ALIASES: dict[str, str] = {
+    "model_max_length": "max_position_embeddings",
+    "num_local_experts": "num_experts",
+    "n_routed_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts",
+    "n_group": "num_expert_group",
+    "norm_topk_prob": "moe_renormalize",
+}
+# transformers' flat KDA geometry fields -> linear_attn_config fields
+LINEAR_ALIASES: dict[str, str] = {
+    "linear_num_heads": "num_heads",
+    "linear_head_dim": "head_dim",
+    "linear_conv_kernel_dim": "short_conv_kernel_size",
+}
+# Defaults that depend on the text config's model_type: Kimi-Linear's MLA layers are NoPE
+# (transformers' KimiLinearModel has no rotary embedding at all).
+TYPE_DEFAULTS: dict[str, dict[str, Any]] = {"kimi_linear": {"mla_use_nope": True}}
+LAYER_TYPES = {"linear_attention": "kda_layers", "full_attention": "full_attn_layers"}
+MLP_LAYER_TYPES = ("dense", "sparse")
+
+
 class ConfigError(ValueError):
     """A config.json that is not a usable Kimi K3 config; the message names the field."""
 
@@ -32,7 +60,7 @@ class LinearAttnConfig:
     num_heads: int = 0
     head_dim: int = 128
     short_conv_kernel_size: int = 4
-    use_full_rank_gate: bool = True
+    use_full_rank_gate: bool = False         # False: low-rank g_a_proj / g_b_proj output gate
     gate_lower_bound: float | None = None     # set: g = lb * sigmoid(...); None: KimiLinear gate
 
 
@@ -167,6 +195,7 @@ class ModelConfig:
         else:
             raise ConfigError(f"field 'model_type' is {model_type!r}; expected {TOP_MODEL_TYPE!r} "
                               f"or one of {TEXT_MODEL_TYPES} (this is not a Kimi K3 checkpoint)")
+        text = _normalise(text, prefix, text.get("model_type", model_type))
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in ("model_type", "quantization_config", "pad_token_id", "media_placeholder_token_id"):
@@ -258,6 +287,62 @@ def _convert(name: str, value: Any, prefix: str) -> Any:
     if isinstance(value, (dict, list)):
         raise ConfigError(f"field '{prefix}{name}' must be a scalar, got {type(value).__name__}")
     return value
+
+
+def _normalise(text: Mapping[str, Any], prefix: str, model_type: str) -> dict[str, Any]:
+    """The text config in the released style: aliases renamed, transformers' layer lists turned
+    into linear_attn_config / first_k_dense_replace, model-type defaults filled in."""
+    out = {**TYPE_DEFAULTS.get(model_type, {}), **text}
+    for alias, name in ALIASES.items():
+        if alias in text:
+            if name in text and text[name] != text[alias]:
+                raise ConfigError(f"fields '{prefix}{alias}' ({text[alias]!r}) and '{prefix}{name}' "
+                                  f"({text[name]!r}) disagree")
+            out[name] = text[alias]
+    la = out.get("linear_attn_config")
+    if la is None or isinstance(la, Mapping):
+        la = dict(la or {})
+        for flat, name in LINEAR_ALIASES.items():
+            if flat in text:
+                la.setdefault(name, text[flat])
+        types = text.get("layer_types")
+        if types is not None:
+            lists = _layer_lists(types, prefix)
+            for name, layers in lists.items():
+                if name in la and sorted(la[name]) != layers:
+                    raise ConfigError(f"field '{prefix}layer_types' disagrees with "
+                                      f"'{prefix}linear_attn_config.{name}' ({la[name]})")
+                la[name] = layers
+        if la:
+            out["linear_attn_config"] = la
+    mlp = text.get("mlp_layer_types")
+    if mlp is not None:
+        first = _first_sparse(mlp, prefix)
+        if "first_k_dense_replace" in text and text["first_k_dense_replace"] != first:
+            raise ConfigError(f"field '{prefix}mlp_layer_types' disagrees with "
+                              f"'{prefix}first_k_dense_replace' ({text['first_k_dense_replace']})")
+        out["first_k_dense_replace"] = first
+        if out.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(f"field '{prefix}moe_layer_freq' must be 1 beside mlp_layer_types")
+    return out
+
+
+def _layer_lists(types: Any, prefix: str) -> dict[str, list[int]]:
+    """transformers' ``layer_types`` -> {"kda_layers": [...], "full_attn_layers": [...]}, 1-based."""
+    if not isinstance(types, list) or not all(t in LAYER_TYPES for t in types):
+        raise ConfigError(f"field '{prefix}layer_types' must list {sorted(LAYER_TYPES)}, got {types!r}")
+    return {name: [i + 1 for i, t in enumerate(types) if t == kind] for kind, name in LAYER_TYPES.items()}
+
+
+def _first_sparse(types: Any, prefix: str) -> int:
+    """transformers' ``mlp_layer_types`` -> first_k_dense_replace (dense layers first, then MoE)."""
+    if not isinstance(types, list) or not all(t in MLP_LAYER_TYPES for t in types):
+        raise ConfigError(f"field '{prefix}mlp_layer_types' must list {MLP_LAYER_TYPES}, got {types!r}")
+    first = types.index("sparse") if "sparse" in types else len(types)
+    if any(t != "sparse" for t in types[first:]):
+        raise ConfigError(f"field '{prefix}mlp_layer_types' mixes dense layers after MoE ones ({types}); "
+                          "only dense-first layouts are supported")
+    return first
 
 
 def _sub(cls, value: Any, where: str, tuples: tuple[str, ...] = ()):

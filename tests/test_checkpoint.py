@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from k3trt.cli import main
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_io import CheckpointReader, write_checkpoint
+from k3trt.model.layout import vision_shapes
 from k3trt.model.loader import build_model, load_model
 from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.model.weights import WeightError, checkpoint_tensors, load_weights
@@ -42,12 +43,35 @@ def test_cli_make_checkpoint(tmp_path):
 def test_load_gives_identical_tensors(tiny_ckpt, tiny_model):
     cfg, model = tiny_model
     written = checkpoint_tensors(model, cfg)
+    raw = json.loads((tiny_ckpt / "config.json").read_text())
+    vision = vision_shapes(raw["vision_config"], cfg.hidden_size)
     with CheckpointReader(tiny_ckpt) as r:
-        assert sorted(r.names()) == sorted(written)
+        assert sorted(r.names()) == sorted([*written, *vision])
         for name, t in written.items():
             assert torch.equal(r.get(name).float(), t), name
+        assert all(r.shape(n) == s for n, s in vision.items())
     assert any(n.startswith("language_model.model.layers.2.self_attn.q_a_proj") for n in written)
-    assert "language_model.model.layers.1.mlp.experts.7.down_proj.weight" in written
+
+
+def test_make_checkpoint_writes_the_published_layout(tiny_ckpt, tiny_model):
+    """Names and shapes as Moonshot publishes them (transformers' kimi_linear conversion_mapping)."""
+    cfg, _ = tiny_model
+    H = cfg.linear_attn_config.num_heads
+    P = "language_model.model.layers."
+    with CheckpointReader(tiny_ckpt) as r:
+        names = set(r.names())
+        for e in (0, 7):
+            for w in ("w1", "w2", "w3"):
+                assert f"{P}1.block_sparse_moe.experts.{e}.{w}.weight" in names
+        for n in ("gate.weight", "gate.e_score_correction_bias", "shared_experts.gate_proj.weight",
+                  "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"):
+            assert f"{P}1.block_sparse_moe.{n}" in names
+        assert {f"{P}0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} <= names       # dense layer 0
+        assert r.shape(f"{P}0.self_attn.A_log") == (1, 1, H, 1)
+        assert {"language_model.lm_head.weight", "language_model.model.embed_tokens.weight",
+                "vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight"} <= names
+    private = ("w_gate", "w_up", "w_down", "fused_qkv", ".mlp.experts.", ".mlp.gate.", ".mlp.shared_experts.")
+    assert not [n for n in names if any(p in n for p in private)]
 
 
 def _rewrite(src, dst, edit):
@@ -83,11 +107,12 @@ def test_strict_loading_names_the_tensor(tiny_ckpt, tmp_path, edit, match):
 
 
 def test_vision_tower_is_skipped_and_logged(tiny_ckpt, tmp_path, caplog):
+    vision = sum(n.startswith(("vision_tower.", "mm_projector.")) for n in CheckpointReader(tiny_ckpt).names())
+    assert vision > 0
     d = _rewrite(tiny_ckpt, tmp_path / "vl", lambda t: t.update({
-        "vision_tower.encoder.blocks.0.wqkv.weight": torch.zeros(4, 4),
         "multi_modal_projector.linear_1.weight": torch.zeros(4, 4)}))
     _load(d)
-    assert "skipped 2 tensors of the vision tower" in caplog.text
+    assert f"skipped {vision + 1} tensors of the vision tower" in caplog.text
 
 
 def test_missing_shard_and_corrupt_header(tiny_ckpt, tmp_path):
@@ -115,3 +140,77 @@ def test_quantized_checkpoints_load_close_to_bf16(tiny_model, tmp_path, quant, s
     for name, p in qmodel.named_parameters():
         err = (p - ref[name]).norm() / ref[name].norm()
         assert err < 0.2, (name, float(err))          # fp4: ~10% per weight; fp8: ~3%
+
+
+P = "language_model.model.layers."
+
+
+def _renamed(tensors, old, new):
+    for n in [n for n in tensors if old in n]:
+        tensors[n.replace(old, new)] = tensors.pop(n)
+
+
+@pytest.mark.parametrize("edit", [
+    # A_log in the 1-D form (the published [1, 1, H, 1] is what make-checkpoint writes)
+    lambda t: t.update({f"{P}0.self_attn.A_log": t[f"{P}0.self_attn.A_log"].flatten()}),
+    # a dense layer as transformers' save_pretrained spells it
+    lambda t: _renamed(t, f"{P}0.mlp.", f"{P}0.block_sparse_moe."),
+    # DeepSeek-V3-style copies of the embedding and lm_head inside the MTP layer (layer 4)
+    lambda t: t.update({f"{P}4.embed_tokens.weight": t["language_model.model.embed_tokens.weight"].clone(),
+                        f"{P}4.shared_head.head.weight": t["language_model.lm_head.weight"].clone()}),
+], ids=["A_log-1d", "dense-as-block_sparse_moe", "mtp-copies"])
+def test_published_variants_load_the_same(tiny_ckpt, tiny_model, tmp_path, edit):
+    _, ref = tiny_model
+    d = _rewrite(tiny_ckpt, tmp_path / "v", edit)
+    _, model = load_model(d)
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, want[name]), name
+
+
+@pytest.mark.parametrize("edit, match", [
+    # a copy in a layer that is not an MTP layer is not a copy
+    (lambda t: t.update({f"{P}1.embed_tokens.weight": torch.zeros(2, 2)}), r"unexpected tensor '.*layers\.1\.embed_tokens"),
+    (lambda t: t.update({f"{P}4.shared_head.head.weight": torch.zeros(2, 2)}), r"MTP layer's copy"),
+    (lambda t: t.update({f"{P}0.self_attn.A_log": torch.zeros(1, 2, 1, 1)}), r"A_log' has shape \(1, 2, 1, 1\)"),
+])
+def test_layout_variants_that_do_not_fit(tiny_ckpt, tmp_path, edit, match):
+    with pytest.raises(WeightError, match=match):
+        _load(_rewrite(tiny_ckpt, tmp_path / "bad", edit))
+
+
+def test_unknown_layout_lists_names_with_the_nearest_rule(tiny_ckpt, tmp_path):
+    """The DeepSeek-V3 MoE spelling (mlp.experts.{e}.gate_proj) is not the published Kimi layout:
+    every problem is counted, the unmatched names are shown with the rule they should follow."""
+    def old(t):
+        _renamed(t, ".block_sparse_moe.", ".mlp.")
+        _renamed(t, ".w1.", ".gate_proj.")
+    d = _rewrite(tiny_ckpt, tmp_path / "old", old)
+    with pytest.raises(WeightError) as e:
+        _load(d)
+    msg = str(e.value)
+    assert "missing" in msg and "unexpected" in msg
+    assert (f"unexpected tensor '{P}1.mlp.experts.0.w2.weight' (nearest known rule: "
+            f"'{P}{{i}}.block_sparse_moe.experts.{{e}}.w2.weight') [and 31 more like it]") in msg
+    assert f"unexpected tensor '{P}1.mlp.experts.0.gate_proj.weight'" in msg
+    assert f"missing tensor '{P}1.block_sparse_moe.gate.weight'" in msg
+    assert "128 missing, 128 unexpected" in msg
+
+
+def test_build_validates_the_weight_index(tiny_ckpt, tmp_path):
+    """`k3trt build` refuses a checkpoint the runtime would refuse, before writing anything."""
+    bad = _rewrite(tiny_ckpt, tmp_path / "bad", lambda t: t.pop(Q_A))
+    res = CliRunner().invoke(main, ["build", str(bad), "-o", str(tmp_path / "engine"), "--backend", "torch"])
+    assert res.exit_code != 0 and f"missing tensor '{Q_A}'" in res.output
+    assert not (tmp_path / "engine").exists()
+
+
+def test_language_model_layers_spelling_loads(tiny_ckpt, tiny_model, tmp_path):
+    """K3 checkpoints may name layers language_model.layers.* (the serving code maps them to
+    language_model.model.layers.*); both load the same."""
+    _, ref = tiny_model
+    d = _rewrite(tiny_ckpt, tmp_path / "short", lambda t: _renamed(t, "language_model.model.layers.",
+                                                                      "language_model.layers."))
+    _, model = load_model(d)
+    want = dict(ref.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())

@@ -174,7 +174,7 @@ def test_fp8_exact_on_grid():
 
 
 # --------------------------------------------------------------------------- detection + load
-P = "model.layers.3.mlp.experts.5.gate_proj"
+P = "model.layers.3.block_sparse_moe.experts.5.w1"
 
 
 def _reader(tmp_path, tensors):

@@ -254,3 +254,23 @@ def test_tokenizer_json_non_special_added_tokens_become_special(tmp_path):
     think = tok.token_to_id("<think>")
     assert tok.is_special(think) and think not in tok.encode("<think>")
     assert tok.eos_token_id is None and tok.chat_template is None
+
+
+def test_tiktoken_model_uses_the_tiktoken_library_when_installed(kimi, monkeypatch):
+    """With tiktoken installed the ranks are used by tiktoken itself; without it, the converted BPE
+    gives the same ids on these samples."""
+    pytest.importorskip("tiktoken")
+    import importlib.util
+
+    from k3trt.runtime import tokenizer as tk
+    d, _, tok = kimi
+    assert isinstance(tok._backend, tk._TiktokenBackend)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tiktoken" else real(name, *a))
+    converted = Tokenizer.from_dir(d)
+    assert not isinstance(converted._backend, tk._TiktokenBackend)
+    for text in SAMPLES + [CORPUS[:500], "a<|open|>b"]:
+        assert converted.encode(text) == tok.encode(text)
+        assert converted.encode(text, allow_special=True) == tok.encode(text, allow_special=True)
+    assert converted.vocab_size == tok.vocab_size and converted.special_ids == tok.special_ids
+    assert [converted.id_to_bytes(i) for i in range(tok.vocab_size)] == [tok.id_to_bytes(i) for i in range(tok.vocab_size)]

@@ -41,6 +41,7 @@ from k3trt.engine.build_config import DTYPES, BuildConfig
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.engine_dir import EngineDir, EngineDirError, is_engine_dir, read_engine_dir, sha256_file
 from k3trt.engine.writer import check_output, write_engine_dir
+from k3trt.model.checkpoint_check import validate_weights
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     cfg = checks.check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
+    validate_weights(checkpoint, cfg)                  # names, shapes, dtypes from the headers, before long work
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
                         max_num_tokens=max_num_tokens,

@@ -275,6 +275,7 @@ class CheckpointReader:
         self._infos: dict[str, TensorInfo] = {}
         self._handles: dict[str, object] = {}
         self._consumed: set[str] = set()
+        self._stored: dict[str, str] = {}       # name presented -> name in the file (alias_prefixes)
         self._closed = False
         if p.is_file():
             shards = [p.name]
@@ -378,9 +379,26 @@ class CheckpointReader:
         """The tensor (a view of the memory-mapped file; copy it before writing to it).
         Marks it consumed."""
         info = self.info(name)
-        t = self._handle(info.shard).get_tensor(name)
+        t = self._handle(info.shard).get_tensor(self._stored.get(name, name))
         self._consumed.add(name)
         return t
+
+    def alias_prefixes(self, aliases: Iterable[tuple[str, str]]) -> int:
+        """Present every tensor stored under prefix `old` as `new` + the rest, for each (old, new)
+        of `aliases` (one checkpoint family's spellings of the same tensors); returns how many
+        names changed. A name that would collide with a stored one is an error."""
+        renamed = 0
+        for old, new in aliases:
+            for name in [n for n in self._order if n.startswith(old)]:
+                canon = new + name[len(old):]
+                if canon in self._infos:
+                    raise CheckpointError(f"{self.dir}: holds both {name!r} and {canon!r} (the same tensor)")
+                info = self._infos.pop(name)
+                self._infos[canon] = TensorInfo(canon, info.dtype, info.shape, info.shard, info.nbytes)
+                self._stored[canon] = self._stored.pop(name, name)
+                renamed += 1
+        self._order = sorted(self._infos)
+        return renamed
 
     def unconsumed(self) -> list[str]:
         """Names not yet returned by `get` nor skipped, sorted."""

@@ -1,8 +1,9 @@
 """The Kimi K3 language model: embedding, hybrid decoder layers with AttnRes, final norm, lm_head,
 and the MTP layers (DeepSeek-V3 style next-token-prediction heads) when the config has them.
 
-Module names equal the checkpoint's names below ``language_model.`` (weights.py holds the few
-exceptions as data). MTP layer j is ``model.layers[num_hidden_layers + j]``, as in DeepSeek-V3.
+Module names equal the checkpoint's names below ``language_model.`` except where layout.py's
+rules (data) say otherwise: an MoE layer's ``mlp`` is the checkpoint's ``block_sparse_moe``, its
+experts are stacked. MTP layer j is ``model.layers[num_hidden_layers + j]``, as in DeepSeek-V3.
 
 ``comm`` (k3trt/parallel) makes this one rank's shard: the mixers and MLPs split as their modules
 say. lm_head is vocab-parallel: each rank holds and reads 1/tp of it per step (K3: 163840 × 7168,

@@ -77,7 +77,7 @@ class MLA(nn.Module):
         self.kv_lora = cfg.kv_lora_rank
         kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            # checkpoint: q_a_proj and kv_a_proj_with_mqa, fused here into one GEMM (weights.py)
+            # checkpoint: q_a_proj and kv_a_proj_with_mqa, fused here into one GEMM (layout.py)
             self.fused_qkv_a_proj = nn.Linear(h, cfg.q_lora_rank + kv_a, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)

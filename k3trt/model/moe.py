@@ -8,7 +8,8 @@ renormalised to sum 1, times routed_scaling_factor.
 Latent path: x --routed_expert_down_proj--> width W (K3: 3584) --experts--> Σ w_e·expert_e
 --RMSNorm (latent_moe_use_norm)--> routed_expert_up_proj --> hidden. Shared experts see x itself.
 Experts are stored stacked ([E, I, W] and [E, W, I]) so a grouped GEMM can take them whole; the
-checkpoint keeps one tensor per expert and weights.py stacks them.
+checkpoint keeps one tensor per expert (``block_sparse_moe.experts.{e}.w1/w3/w2``, layout.py) and the
+loader stacks them.
 
 Expert parallel (ep > 1): rank e holds experts [e·E/ep, (e+1)·E/ep); every rank routes every token
 (the router is replicated), runs its own experts on the tokens routed to them, and the latent

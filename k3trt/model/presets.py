@@ -52,6 +52,14 @@ K3_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+# A small MoonViT (transformers' kimi_k25 vision config fields) for every preset: its tensors are
+# written under their published names so that presets are real-format checkpoints; k3trt skips them.
+VISION_CONFIG: dict[str, Any] = dict(
+    model_type="kimi_k25_vision", patch_size=14, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+    num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, merge_kernel_size=[2, 2],
+    hidden_act="gelu_pytorch_tanh")
+
+
 def preset_config(name: str, vocab_size: int, *, pad_token_id: int = 0) -> dict[str, Any]:
     """The full K3 config.json (model_type kimi_k3, text under text_config) for a preset."""
     if name not in PRESETS:
@@ -62,7 +70,7 @@ def preset_config(name: str, vocab_size: int, *, pad_token_id: int = 0) -> dict[
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text,
-        "vision_config": {"model_type": "moonvit", "note": "vision is not supported by k3trt yet"},
+        "vision_config": dict(VISION_CONFIG),
         "media_placeholder_token_id": 163605,
         "pad_token_id": pad_token_id,
         "torch_dtype": "bfloat16",

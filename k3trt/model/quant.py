@@ -1,6 +1,6 @@
 """Quantized linear-weight formats in checkpoints: detection, decode (to load) and encode (to make
 test checkpoints), in plain torch. A linear weight is logically [out, in]; a checkpoint stores the
-module `X` (e.g. "model.layers.3.mlp.experts.5.gate_proj") in exactly one of these forms:
+module `X` (e.g. "model.layers.3.block_sparse_moe.experts.5.w1") in exactly one of these forms:
 
 plain      X.weight            any float dtype [out, in]
 fp8        X.weight            float8_e4m3fn [out, in]                         (DeepSeek-V3)
@@ -227,11 +227,10 @@ def _expect(cond: bool, name: str, what: str) -> None:
         raise CheckpointError(f"{name}: {what}")
 
 
-def read_linear_weight(reader, prefix: str, *, expected_shape: Sequence[int] | None = None,
-                       fp8_block: tuple[int, int] = FP8_BLOCK,
-                       group: int = MXFP4_GROUP) -> QuantizedWeight:
-    """Detect `prefix`'s format, check every tensor's dtype and shape from the headers, then read
-    (and so consume) exactly that format's tensors."""
+def inspect_linear_weight(reader, prefix: str, *, fp8_block: tuple[int, int] = FP8_BLOCK,
+                          group: int = MXFP4_GROUP) -> tuple[WeightFormat, tuple[int, int], tuple[str, ...]]:
+    """`prefix`'s format, logical [out, in] shape and tensor suffixes, checked from the headers
+    alone (an optional mxfp4 ``weight_shape``, two integers, is the only tensor read)."""
     fmt = detect_format(reader, prefix)
     n = {s: f"{prefix}.{s}" for s in WEIGHT_SUFFIXES}
     if fmt is WeightFormat.MXFP4:
@@ -240,7 +239,7 @@ def read_linear_weight(reader, prefix: str, *, expected_shape: Sequence[int] | N
                 n["weight_packed"], f"want uint8 [out, in/2], got {reader.dtype(n['weight_packed'])} {list(pk)}")
         out, cols = pk
         k = 2 * cols
-        extra = {}
+        suffixes: tuple[str, ...] = ("weight_packed", "weight_scale")
         if n["weight_shape"] in reader:
             ws = reader.get(n["weight_shape"])
             _expect(ws.dtype in (torch.int32, torch.int64) and ws.shape == (2,), n["weight_shape"],
@@ -248,32 +247,35 @@ def read_linear_weight(reader, prefix: str, *, expected_shape: Sequence[int] | N
             wo, k = (int(v) for v in ws.tolist())
             _expect(wo == out and -(-k // 2) == cols, n["weight_shape"],
                     f"says {[wo, k]}, but {n['weight_packed']} is {list(pk)}")
-            extra["weight_shape"] = ws
+            suffixes += ("weight_shape",)
         _expect(reader.dtype(n["weight_scale"]) == torch.uint8 and sc == (out, -(-k // group)),
                 n["weight_scale"], f"want uint8 [{out}, {-(-k // group)}] (E8M0 per {group} inputs), "
                 f"got {reader.dtype(n['weight_scale'])} {list(sc)}")
-        tensors = {"weight_packed": reader.get(n["weight_packed"]),
-                   "weight_scale": reader.get(n["weight_scale"]), **extra}
-        shape = (out, k)
-    else:
-        w = reader.shape(n["weight"])
-        dt = reader.dtype(n["weight"])
-        _expect(len(w) == 2, n["weight"], f"want a 2-D [out, in] weight, got shape {list(w)}")
-        shape = (w[0], w[1])
-        if fmt is WeightFormat.FP8_BLOCK:
-            want = [-(-w[0] // fp8_block[0]), -(-w[1] // fp8_block[1])]
-            _expect(dt == torch.float8_e4m3fn, n["weight"], f"want float8_e4m3fn beside a "
-                    f"weight_scale_inv, got {dt}")
-            s, sdt = reader.shape(n["weight_scale_inv"]), reader.dtype(n["weight_scale_inv"])
-            _expect(sdt == torch.float32 and list(s) == want, n["weight_scale_inv"],
-                    f"want float32 {want} for a {list(w)} weight in {list(fp8_block)} blocks, "
-                    f"got {sdt} {list(s)}")
-            tensors = {"weight": reader.get(n["weight"]),
-                       "weight_scale_inv": reader.get(n["weight_scale_inv"])}
-        else:
-            _expect(dt.is_floating_point and dt.itemsize >= 2, n["weight"],
-                    f"want a bf16/fp16/fp32 weight, got {dt} (an fp8 weight needs its weight_scale_inv)")
-            tensors = {"weight": reader.get(n["weight"])}
+        return fmt, (out, k), suffixes
+    w = reader.shape(n["weight"])
+    dt = reader.dtype(n["weight"])
+    _expect(len(w) == 2, n["weight"], f"want a 2-D [out, in] weight, got shape {list(w)}")
+    if fmt is WeightFormat.FP8_BLOCK:
+        want = [-(-w[0] // fp8_block[0]), -(-w[1] // fp8_block[1])]
+        _expect(dt == torch.float8_e4m3fn, n["weight"], f"want float8_e4m3fn beside a "
+                f"weight_scale_inv, got {dt}")
+        s, sdt = reader.shape(n["weight_scale_inv"]), reader.dtype(n["weight_scale_inv"])
+        _expect(sdt == torch.float32 and list(s) == want, n["weight_scale_inv"],
+                f"want float32 {want} for a {list(w)} weight in {list(fp8_block)} blocks, "
+                f"got {sdt} {list(s)}")
+        return fmt, (w[0], w[1]), ("weight", "weight_scale_inv")
+    _expect(dt.is_floating_point and dt.itemsize >= 2, n["weight"],
+            f"want a bf16/fp16/fp32 weight, got {dt} (an fp8 weight needs its weight_scale_inv)")
+    return fmt, (w[0], w[1]), ("weight",)
+
+
+def read_linear_weight(reader, prefix: str, *, expected_shape: Sequence[int] | None = None,
+                       fp8_block: tuple[int, int] = FP8_BLOCK,
+                       group: int = MXFP4_GROUP) -> QuantizedWeight:
+    """Detect `prefix`'s format, check every tensor's dtype and shape from the headers, then read
+    (and so consume) exactly that format's tensors."""
+    fmt, shape, suffixes = inspect_linear_weight(reader, prefix, fp8_block=fp8_block, group=group)
+    tensors = {s: reader.get(f"{prefix}.{s}") for s in suffixes}
     if expected_shape is not None and tuple(expected_shape) != shape:
         raise CheckpointError(f"{prefix}: weight shape {list(shape)} (from {prefix}."
                               f"{next(iter(tensors))}) != expected {list(expected_shape)}")

@@ -25,6 +25,7 @@ JSON string render there as a `json` element; pass dicts where the two must agre
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -291,3 +292,80 @@ CHAT_TEMPLATE = "".join([
     '{{ open("message" ~ attr("role", "assistant")) }}{{ open("think" if think else "response") }}',
     '{%- endif -%}',
 ])
+
+
+# ---- a checkpoint's own Jinja template ------------------------------------------------------------
+# Marker strings in the caller's text are swapped for these private-use sentinels while the template
+# renders, so that every special token left in the output is the template's own.
+_SENTINEL = "\ue000{}\ue001"
+
+
+def _compile(template: str):
+    """The template in a sandbox configured as transformers' apply_chat_template configures it (its
+    `tojson` takes json.dumps keyword arguments; `raise_exception` raises ValueError)."""
+    import jinja2.ext        # optional dependency, needed only for checkpoint templates
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def _shield(value: Any, markers: Sequence[str]) -> Any:
+    """`value` with every marker string inside its strings (keys too) replaced by its sentinel."""
+    if isinstance(value, str):
+        if "\ue000" in value or "\ue001" in value:
+            raise ValueError("chat text may not contain the private-use characters U+E000 / U+E001")
+        for i, m in enumerate(markers):
+            value = value.replace(m, _SENTINEL.format(i))
+        return value
+    if isinstance(value, dict):
+        return {_shield(k, markers): _shield(v, markers) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shield(v, markers) for v in value]
+    return value
+
+
+def template_ids(tokenizer: _Encoder, template: str, messages: Sequence[dict], *,
+                 tools: Sequence[dict] | None = None, thinking: bool = True,
+                 add_generation_prompt: bool = True) -> list[int]:
+    """The prompt as token ids through a checkpoint's own Jinja chat template (tokenizer_config.json
+    or chat_template.jinja), rendered in a sandbox. Special tokens come only from the template:
+    marker strings in message or tool text are shielded while it renders and encoded as plain text."""
+    markers = sorted(tokenizer.special_ids, key=len, reverse=True)
+    text = _compile(template).render(
+        messages=_shield(list(messages), markers), tools=_shield(tools, markers), thinking=thinking,
+        enable_thinking=thinking, add_generation_prompt=add_generation_prompt)
+    ids: list[int] = []
+    pos = 0
+    split = re.compile("|".join(re.escape(m) for m in markers)) if markers else None
+    for m in split.finditer(text) if split else ():
+        ids.extend(_plain(tokenizer, text[pos:m.start()], markers))
+        ids.append(tokenizer.special_ids[m.group()])
+        pos = m.end()
+    ids.extend(_plain(tokenizer, text[pos:], markers))
+    return ids
+
+
+def _plain(tokenizer: _Encoder, text: str, markers: Sequence[str]) -> list[int]:
+    for i, m in enumerate(markers):
+        text = text.replace(_SENTINEL.format(i), m)
+    return tokenizer.encode(text, allow_special=False) if text else []
+
+
+def chat_ids(tokenizer: _Encoder, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+             thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt as token ids: through the checkpoint's own template when the tokenizer has one
+    (`chat_template`), else the built-in K3 renderer (render_ids)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        return template_ids(tokenizer, template, messages, tools=tools, thinking=thinking,
+                            add_generation_prompt=add_generation_prompt)
+    return render_ids(tokenizer, messages, tools=tools, thinking=thinking, add_generation_prompt=add_generation_prompt)

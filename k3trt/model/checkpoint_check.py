@@ -1,0 +1,188 @@
+"""Check a checkpoint's weight index against its config from the safetensors headers alone: names
+(k3trt/model/layout.py), shapes and dtypes, without reading any weight. Every problem is listed at
+once; a name the layout does not know is shown with the nearest known rule, so that an unknown
+layout says what it should have been called.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3trt.config import ModelConfig
+from k3trt.model.checkpoint_io import CheckpointError, CheckpointReader
+from k3trt.model.layout import PREFIX_ALIASES, SKIP_PREFIXES, checkpoint_prefix, copy_of, source, template
+from k3trt.model.quant import WEIGHT_SUFFIXES, inspect_linear_weight
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Expected", "Report", "WeightError", "check_reader", "expected_tensors", "linear_like", "open_checkpoint",
+           "pick_name", "validate_weights"]
+
+SHOWN = 8       # problems of each kind quoted in an error message
+
+
+class WeightError(ValueError):
+    """A checkpoint whose tensors do not fit the model; the message names the tensor."""
+
+
+def linear_like(name: str, shape) -> bool:
+    """Tensors that may be stored quantized (fp8 blocks / mxfp4): 2-D projection weights."""
+    return name.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in name
+
+
+def _present(reader, name: str) -> bool:
+    if name in reader:
+        return True
+    module = name.removesuffix(".weight")
+    return name.endswith(".weight") and any(f"{module}.{s}" in reader for s in WEIGHT_SUFFIXES)
+
+
+def pick_name(reader, names) -> str:
+    """The first of `names` (spellings of one tensor, published first) the checkpoint holds; the
+    published one if none is there (so that the error names it)."""
+    return next((n for n in names if _present(reader, n)), names[0])
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One checkpoint tensor the model needs: its accepted spellings (published first) and shape."""
+    param: str
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    stored: tuple[int, ...]
+
+
+def expected_tensors(cfg: ModelConfig) -> list[Expected]:
+    """Every checkpoint tensor the config's model needs (whole, unsharded), from a meta model."""
+    from k3trt.model.k3 import K3ForCausalLM      # the model pulls in the op registrations
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    prefix, out = checkpoint_prefix(cfg), []
+    for pname, p in model.named_parameters():
+        src, shape = source(pname, cfg), tuple(p.shape)
+        if src.combine == "stack":
+            out += [Expected(pname, (prefix + n,), shape[1:], shape[1:]) for n in src.names]
+        elif src.combine == "cat":
+            out += [Expected(pname, (prefix + n,), (s, *shape[1:]), (s, *shape[1:]))
+                    for n, s in zip(src.names, src.rule.split(cfg))]
+        else:
+            out.append(Expected(pname, tuple(prefix + n for n in (*src.names, *src.also)), shape,
+                                src.stored_shape(shape)))
+    return out
+
+
+@dataclass
+class Report:
+    """What check_reader found; `ok` when nothing. Problems are kept per kind as (checkpoint name,
+    line); the message shows one line per rule (template) with a count of the others like it."""
+    where: str
+    missing: list[tuple[str, str]] = field(default_factory=list)
+    unexpected: list[tuple[str, str]] = field(default_factory=list)
+    wrong: list[tuple[str, str]] = field(default_factory=list)
+    params: int = 0
+    weight_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.wrong)
+
+    def message(self) -> str:
+        n = len(self.missing) + len(self.unexpected) + len(self.wrong)
+        lines = [(f"checkpoint {self.where} does not fit its config.json: {n} problems "
+                  f"({len(self.missing)} missing, {len(self.unexpected)} unexpected, {len(self.wrong)} wrong "
+                  "shape or dtype)")]
+        for kind in (self.wrong, self.missing, self.unexpected):
+            groups: dict[str, list[str]] = {}
+            for name, line in kind:
+                groups.setdefault(template(name), []).append(line)
+            for i, same in enumerate(groups.values()):
+                if i == SHOWN:
+                    lines.append(f"  ... and {len(groups) - SHOWN} more kinds")
+                    break
+                lines.append(f"  {same[0]}" + (f" [and {len(same) - 1} more like it]" if len(same) > 1 else ""))
+        return "\n".join(lines)
+
+    def raise_if_bad(self) -> None:
+        if not self.ok:
+            raise WeightError(self.message())
+
+
+def _check_one(reader, exp: Expected, name: str, used: set[str], report: Report) -> None:
+    if linear_like(name, exp.shape):
+        module = name.removesuffix(".weight")
+        try:
+            _, shape, suffixes = inspect_linear_weight(reader, module)
+        except CheckpointError as e:
+            report.wrong.append((name, str(e)))
+            used.update(f"{module}.{s}" for s in WEIGHT_SUFFIXES)
+            return
+        used.update(f"{module}.{s}" for s in suffixes)
+        report.weight_bytes += sum(reader.info(f"{module}.{s}").nbytes for s in suffixes)
+    else:
+        info = reader.info(name)
+        used.add(name)
+        report.weight_bytes += info.nbytes
+        shape = info.shape
+        if not info.dtype.is_floating_point:
+            report.wrong.append((name, f"tensor '{name}' has dtype {info.dtype}; expected a floating type"))
+            return
+    if tuple(shape) not in (exp.shape, exp.stored):
+        msg = f"tensor '{name}' has shape {tuple(shape)}; model parameter '{exp.param}' expects {exp.shape}"
+        report.wrong.append((name, msg))
+
+
+def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
+    """Check every tensor name, shape and dtype of `reader`'s index against `cfg`'s model."""
+    report, used, known, nearest = Report(str(reader.path)), set(), set(), {}
+    prefix = checkpoint_prefix(cfg)
+    for exp in expected_tensors(cfg):
+        known.update(template(n) for n in exp.names)
+        report.params += int(torch.Size(exp.shape).numel())
+        name = pick_name(reader, exp.names)
+        if not _present(reader, name):
+            report.missing.append((name, f"missing tensor '{name}' (model parameter '{exp.param}')"))
+            continue
+        _check_one(reader, exp, name, used, report)
+    for name in reader.names():
+        if name in used or name.startswith(SKIP_PREFIXES):
+            continue
+        main = copy_of(name.removeprefix(prefix), cfg)
+        if main is not None:
+            main = prefix + (main if prefix + main in reader else "model.embed_tokens.weight")
+            if main in reader and reader.shape(name) != reader.shape(main):
+                msg = (f"tensor '{name}' (an MTP layer's copy of '{main}') has shape {reader.shape(name)}; "
+                       f"'{main}' has {reader.shape(main)}")
+                report.wrong.append((name, msg))
+            continue
+        tmpl = template(name)
+        if tmpl not in nearest:
+            near = difflib.get_close_matches(tmpl, sorted(known), n=1, cutoff=0.0)
+            nearest[tmpl] = f" (nearest known rule: '{near[0]}')" if near else ""
+        report.unexpected.append((name, f"unexpected tensor '{name}'{nearest[tmpl]}"))
+    return report
+
+
+def open_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig) -> CheckpointReader:
+    """A reader over `ckpt_dir` presenting the names of the published layout (PREFIX_ALIASES)."""
+    reader = CheckpointReader(ckpt_dir)
+    if checkpoint_prefix(cfg):
+        n = reader.alias_prefixes(PREFIX_ALIASES)
+        if n:
+            log.info("%d tensors named %s are read as %s", n, *PREFIX_ALIASES[0])
+    return reader
+
+
+def validate_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> Report:
+    """check_reader over the checkpoint at `ckpt_dir`; raises WeightError listing every problem,
+    else logs what the weights hold and returns the report."""
+    with open_checkpoint(ckpt_dir, cfg) as reader:
+        report = check_reader(reader, cfg)
+    report.raise_if_bad()
+    log.info("checkpoint %s fits its config: %.2fB parameters, %.2f GB of weights",
+             ckpt_dir, report.params / 1e9, report.weight_bytes / 1e9)
+    return report
