@@ -8,7 +8,7 @@
     llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
 
 Raw prompt strings are encoded with special-token strings recognised (as Hugging Face does); use
-k3trt.runtime.chat.render_ids for chat messages with untrusted text. ``LLM`` builds the engine (an
+k3trt.runtime.chat.chat_ids for chat messages with untrusted text. ``LLM`` builds the engine (an
 engine dir -> session, cache, scheduler, drafter) and is a thin API over its ``StepLoop``
 (loop.py), which owns the step. ``run`` is what ``k3trt run --json`` prints. Requests submitted
 with ``add_request`` are driven by ``step()``; do not mix them with a ``generate``/``stream`` call

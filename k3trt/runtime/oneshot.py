@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k3trt.runtime.chat import render_ids
+from k3trt.runtime.chat import chat_ids
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.xtml import reasoning_open
@@ -36,7 +36,7 @@ def run(engine_dir: str | Path, prompt: str, *, chat: bool = False, max_tokens: 
         if chat:
             if llm.tokenizer is None:
                 raise ValueError("--chat needs the engine's tokenizer; this engine dir has none")
-            prompt = render_ids(llm.tokenizer, [{"role": "user", "content": prompt}])
+            prompt = chat_ids(llm.tokenizer, [{"role": "user", "content": prompt}])
         guided = None
         if given:
             (key, value), = given.items()

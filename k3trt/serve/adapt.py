@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from k3trt.runtime.chat import render_ids
+from k3trt.runtime.chat import chat_ids
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.structured import GuidedSpec
 from k3trt.runtime.xtml import OPEN, reasoning_open
@@ -75,7 +75,7 @@ def chat_submission(req: ChatRequest, tokenizer: Any, *, max_model_len: int,
     if choice not in (None, "none", "auto") and not tools:
         raise bad("tool_choice", "tool_choice needs tools")
     try:
-        ids = render_ids(tokenizer, _messages(req.messages), tools=None if choice == "none" else tools or None,
+        ids = chat_ids(tokenizer, _messages(req.messages), tools=None if choice == "none" else tools or None,
                          thinking=thinking)
     except ValueError as e:
         raise bad("messages", str(e)) from None
