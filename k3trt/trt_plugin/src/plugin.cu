@@ -48,6 +48,14 @@ bool readField(PluginField const& f, std::string& text)
 }
 } // namespace
 
+void trace(char const* plugin, char const* method)
+{
+    // K3TRT_PLUGIN_TRACE=1: every TensorRT-facing call on stderr, to see how far a host got
+    static bool const enabled = std::getenv("K3TRT_PLUGIN_TRACE") != nullptr;
+    if (enabled)
+        std::fprintf(stderr, "k3trt plugin trace: %s::%s\n", plugin, method);
+}
+
 void logMessage(ILogger::Severity severity, std::string const& msg)
 {
     std::string const line = "k3trt plugin: " + msg;
@@ -135,6 +143,7 @@ PluginFieldCollection const* Attributes::serialize(std::vector<FieldSpec> const&
 // --------------------------------------------------------------------------- OpPlugin
 IPluginCapability* OpPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
 {
+    trace(mName, "getCapabilityInterface");
     switch (type)
     {
     case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
@@ -147,6 +156,7 @@ IPluginCapability* OpPlugin::getCapabilityInterface(PluginCapabilityType type) n
 int32_t OpPlugin::configurePlugin(
     DynamicPluginTensorDesc const* in, int32_t nbIn, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
+    trace(mName, "configurePlugin");
     if (nbIn != nbInputs() || nbOutputs != nbOut())
     {
         logError(std::string(mName) + ": expected " + std::to_string(nbInputs()) + " inputs and "
@@ -159,6 +169,7 @@ int32_t OpPlugin::configurePlugin(
 int32_t OpPlugin::getOutputDataTypes(
     DataType* outTypes, int32_t nbOutputs, DataType const* inTypes, int32_t nbIn) const noexcept
 {
+    trace(mName, "getOutputDataTypes");
     if (nbIn != nbInputs() || nbOutputs != nbOut() || !outputTypes(outTypes, inTypes))
     {
         logError(std::string(mName) + ": unsupported input count or dtypes");
@@ -170,6 +181,7 @@ int32_t OpPlugin::getOutputDataTypes(
 int32_t OpPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbIn, DimsExprs const*, int32_t,
     DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& b) noexcept
 {
+    trace(mName, "getOutputShapes");
     if (nbIn != nbInputs() || nbOutputs != nbOut() || !shapes(inputs, outputs, b))
     {
         logError(std::string(mName) + ": input ranks do not fit the op");
@@ -181,6 +193,7 @@ int32_t OpPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbIn, DimsExp
 bool OpPlugin::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbIn, int32_t nbOutputs) noexcept
 {
+    trace(mName, "supportsFormatCombination");
     if (nbIn != nbInputs() || nbOutputs != nbOut() || inOut[pos].desc.format != TensorFormat::kLINEAR)
         return false;
     std::vector<PluginTensorDesc> io(pos + 1);
@@ -192,6 +205,7 @@ bool OpPlugin::supportsFormatCombination(
 size_t OpPlugin::getWorkspaceSize(
     DynamicPluginTensorDesc const* inputs, int32_t nbIn, DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept
 {
+    trace(mName, "getWorkspaceSize");
     // sized for the profile's largest shapes: enough for every smaller one
     std::vector<PluginTensorDesc> in(nbIn), out(nbOutputs);
     for (int32_t i = 0; i < nbIn; ++i)
@@ -203,6 +217,7 @@ size_t OpPlugin::getWorkspaceSize(
 
 int32_t OpPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbIn, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
+    trace(mName, "onShapeChange");
     if (nbIn != nbInputs() || nbOutputs != nbOut())
         return 1;
     std::string const problem = check(in, out);
@@ -217,6 +232,7 @@ int32_t OpPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbIn, Plugin
 int32_t OpPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
     void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
 {
+    trace(mName, "enqueue");
     cudaError_t const err = run(inputDesc, outputDesc, inputs, outputs, workspace, stream);
     if (err != cudaSuccess)
     {
@@ -238,6 +254,7 @@ Creator::Creator(char const* name, std::vector<FieldSpec> const& specs, Factory 
 
 IPluginV3* Creator::createPlugin(AsciiChar const* name, PluginFieldCollection const* fc, TensorRTPhase) noexcept
 {
+    trace(mName, "createPlugin");
     try
     {
         Attributes attrs;

@@ -26,6 +26,7 @@ constexpr char const* kVersion = "1";
 // Logs through the logger TensorRT hands the library (setLoggerFinder), else to stderr.
 void logMessage(ILogger::Severity severity, std::string const& msg);
 inline void logError(std::string const& msg) { logMessage(ILogger::Severity::kERROR, msg); }
+void trace(char const* plugin, char const* method);
 
 // --------------------------------------------------------------------------- attribute fields
 // An op's attribute: name, kind, and the torch op's default ("" = required). Kinds are what the ONNX
@@ -97,7 +98,11 @@ public:
 
     // --- IPluginV3
     IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override;
-    IPluginV3* clone() noexcept override { return copy(); }
+    IPluginV3* clone() noexcept override
+    {
+        trace(mName, "clone");
+        return copy();
+    }
 
     // --- IPluginV3OneCore
     AsciiChar const* getPluginName() const noexcept override { return mName; }
@@ -113,18 +118,34 @@ public:
         int32_t nbShapeInputs, DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& exprBuilder) noexcept override;
     bool supportsFormatCombination(
         int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept override;
-    int32_t getNbOutputs() const noexcept override { return nbOut(); }
+    int32_t getNbOutputs() const noexcept override
+    {
+        trace(mName, "getNbOutputs");
+        return nbOut();
+    }
     size_t getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
-    int32_t getAliasedInput(int32_t outputIndex) noexcept override { return aliased(outputIndex); }
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override
+    {
+        trace(mName, "getAliasedInput");
+        return aliased(outputIndex);
+    }
 
     // --- IPluginV3OneRuntime
     int32_t onShapeChange(
         PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, void const* const* inputs,
         void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    IPluginV3* attachToContext(IPluginResourceContext* context) noexcept override { return copy(); }
-    PluginFieldCollection const* getFieldsToSerialize() noexcept override { return mAttrs.serialize(mSpecs); }
+    IPluginV3* attachToContext(IPluginResourceContext* context) noexcept override
+    {
+        trace(mName, "attachToContext");
+        return copy();
+    }
+    PluginFieldCollection const* getFieldsToSerialize() noexcept override
+    {
+        trace(mName, "getFieldsToSerialize");
+        return mAttrs.serialize(mSpecs);
+    }
 
 protected:
     Attributes const& attrs() const { return mAttrs; }

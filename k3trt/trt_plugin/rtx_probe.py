@@ -1,0 +1,152 @@
+"""Does TensorRT-RTX take the k3trt plugin library? Build the library for sm_120, load it into RTX's
+plugin registry, parse a one-node ONNX graph (a k3trt op with the parser's plugin_namespace /
+plugin_version attributes) and build a serialized engine for SM120 on this (CPU-only) machine.
+
+    python -m k3trt.trt_plugin.rtx_probe [--op MergeAttnStates|MlaVerify] [--library PATH] [--no-link]
+
+RTX's ONNX parser dlopens ``libtensorrt_rtx.so`` (the unversioned name) when it imports a plugin
+node, and the wheel ships only ``libtensorrt_rtx.so.1``: without that name the parser throws
+inside a noexcept path and the process aborts ("terminate called without an active exception").
+So the probe re-runs itself with ``LD_LIBRARY_PATH`` holding a ``libtensorrt_rtx.so`` symlink
+(rtx_link_dir); ``--no-link`` skips that and shows the abort.
+
+Each step prints ``STEP <name>`` before it runs and ``DONE <name> ...`` after, flushed, so that
+when RTX aborts the process the last STEP line names the call that did not return; run it in a
+subprocess (tests/test_trt_plugin.py does). docs/trt_plugins.md records what it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from onnx import TensorProto, helper
+
+from k3trt.trt_plugin.build import build_library, cache_dir
+
+# op -> (inputs, outputs, attributes): tiny fp32 shapes, the attributes the exporter writes
+GRAPHS = {
+    "MergeAttnStates": (
+        [("out_a", [4, 2, 8]), ("lse_a", [4, 2]), ("out_b", [4, 2, 8]), ("lse_b", [4, 2])],
+        [("out", [4, 2, 8]), ("lse", [4, 2])], {}),
+    "MlaVerify": (
+        [("q", [4, 2, 32]), ("kv_cache", [4, 16, 32]), ("block_table", [2, 2]), ("seq_lens", [2])],
+        [("out", [4, 2, 16]), ("lse", [4, 2])],
+        {"q_per_req": 2, "softmax_scale": 0.125, "kv_scale": 1.0, "d_v": 16, "dcp_size": 1, "dcp_rank": 0,
+         "dcp_interleave": 1, "sparse_chunk": 0, "sparse_sink": 1, "sparse_stride": 1, "sparse_recent": 1}),
+}
+INT_INPUTS = {"block_table", "seq_lens"}
+
+
+def rtx_link_dir() -> Path:
+    """A directory holding ``libtensorrt_rtx.so`` -> the wheel's ``libtensorrt_rtx.so.1``."""
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
+                           "tensorrt-rtx-cu13-bindings==1.7.1.116")
+    real = Path(list(spec.submodule_search_locations)[0]) / "libtensorrt_rtx.so.1"
+    link_dir = cache_dir() / "rtx_link"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    link = link_dir / "libtensorrt_rtx.so"
+    if not link.is_symlink() or os.readlink(link) != str(real):
+        tmp = link_dir / f".libtensorrt_rtx.so.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(real)
+        os.replace(tmp, link)
+    return link_dir
+
+
+def rtx_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default os.environ) with rtx_link_dir first on LD_LIBRARY_PATH (read at process start,
+    so it applies to a child process)."""
+    env = dict(os.environ if env is None else env)
+    parts = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    link = str(rtx_link_dir())
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([link, *(p for p in parts if p != link)])
+    return env
+
+
+def graph_bytes(op: str) -> bytes:
+    ins, outs, attrs = GRAPHS[op]
+    dtype = {n: TensorProto.INT32 if n in INT_INPUTS else TensorProto.FLOAT for n, _ in ins + outs}
+    node = helper.make_node(op, [n for n, _ in ins], [n for n, _ in outs], domain="k3trt",
+                            plugin_namespace="k3trt", plugin_version="1", **attrs)
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info(n, dtype[n], s) for n, s in ins],
+                              [helper.make_tensor_value_info(n, dtype[n], s) for n, s in outs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("k3trt", 1)])
+    return model.SerializeToString()
+
+
+def step(name: str, fn):
+    print(f"STEP {name}", flush=True)
+    t0 = time.perf_counter()
+    out = fn()
+    print(f"DONE {name} ({time.perf_counter() - t0:.2f}s): {out!r}"[:600], flush=True)
+    return out
+
+
+def probe(op: str, library: str | None) -> int:
+    import tensorrt_rtx_bindings as trt
+
+    class Logger(trt.ILogger):
+        """Warnings and errors, plus the builder's per-layer lines (the engine's layer information)."""
+        def __init__(self):
+            trt.ILogger.__init__(self)
+
+        def log(self, severity, msg):
+            if severity <= trt.ILogger.Severity.WARNING or "LayerType:" in msg:
+                print(f"TRT[{severity.name}] {msg}", flush=True)
+
+    lib = library or str(step("build_library", lambda: build_library(("sm_120",))))
+    logger = Logger()
+    registry = trt.get_plugin_registry()
+    step("load_library", lambda: registry.load_library(lib))
+    step("creators", lambda: sorted(f"{c.plugin_namespace}::{c.name}/{c.plugin_version}"
+                                    for c in registry.all_creators if c.plugin_namespace == "k3trt"))
+    step("get_creator", lambda: registry.get_creator(op, "1", "k3trt"))
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    ok = step("parse", lambda: parser.parse(graph_bytes(op)))
+    if not ok:
+        print("PARSE-ERRORS", [str(parser.get_error(i)) for i in range(parser.num_errors)], flush=True)
+        return 1
+    step("layers", lambda: [(network.get_layer(i).name, str(network.get_layer(i).type))
+                            for i in range(network.num_layers)])
+    config = builder.create_builder_config()
+    config.num_compute_capabilities = 1
+    config.set_compute_capability(trt.ComputeCapability.SM120, 0)
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    plan = step("build_serialized_network", lambda: builder.build_serialized_network(network, config))
+    if plan is None:
+        print("RESULT build returned None (the log above has the reason)", flush=True)
+        return 1
+    print(f"RESULT engine {plan.nbytes} bytes for SM120", flush=True)
+    runtime = trt.Runtime(logger)
+    engine = step("deserialize_cuda_engine", lambda: runtime.deserialize_cuda_engine(plan))
+    if engine is not None:
+        inspector = engine.create_engine_inspector()
+        print("ENGINE-LAYERS", inspector.get_engine_information(trt.LayerInformationFormat.JSON), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m k3trt.trt_plugin.rtx_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", choices=sorted(GRAPHS), default="MergeAttnStates")
+    parser.add_argument("--library", help="a built plugin library (default: build_library for sm_120)")
+    parser.add_argument("--no-link", action="store_true", help="do not provide libtensorrt_rtx.so (shows the abort)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.no_link and str(rtx_link_dir()) not in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "k3trt.trt_plugin.rtx_probe", *argv], rtx_env())
+    sys.exit(probe(args.op, args.library))
+
+
+if __name__ == "__main__":
+    main()
