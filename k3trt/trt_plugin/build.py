@@ -102,7 +102,7 @@ def _digest(files: list[Path], *extra: str) -> str:
 
 
 def _version(tool: Path) -> str:
-    return subprocess.run([str(tool), "--version"], capture_output=True, text=True).stdout
+    return subprocess.run([str(tool), "--version"], capture_output=True, text=True, check=False).stdout
 
 
 def _compile(cmd: list[str], target: Path, what: str) -> Path:
@@ -113,7 +113,7 @@ def _compile(cmd: list[str], target: Path, what: str) -> Path:
     t0 = time.perf_counter()
     log.info("building %s: %s", what, " ".join(cmd[:1] + ["..."] + cmd[-3:]))
     try:
-        r = subprocess.run([*cmd, tmp], capture_output=True, text=True)
+        r = subprocess.run([*cmd, tmp], capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise PluginBuildError(f"{what} failed to compile ({cmd[0]} exit {r.returncode}):\n{r.stderr[-4000:]}")
         os.replace(tmp, target)

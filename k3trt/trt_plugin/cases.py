@@ -8,8 +8,9 @@ rope, page 64, KDA 96 x 128, routed experts 3584 -> 3072, top-16, SiTU)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +77,9 @@ def mla_verify(size: str, dtype, device, gen, *, kv_dtype=None, dcp=(1, 0, 1), s
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     inputs = [q, cache.to(device), table.to(device), seq_lens.to(device)]
     chunk, sink, stride, recent = sparse
-    attrs = dict(q_per_req=Q, softmax_scale=(128 + rope) ** -0.5, kv_scale=kv_scale, d_v=d_v, dcp_size=size_,
-                 dcp_rank=rank, dcp_interleave=inter, sparse_chunk=chunk, sparse_sink=sink,
-                 sparse_stride=stride, sparse_recent=recent)
+    attrs = {"q_per_req": Q, "softmax_scale": (128 + rope) ** -0.5, "kv_scale": kv_scale, "d_v": d_v, "dcp_size": size_,
+                 "dcp_rank": rank, "dcp_interleave": inter, "sparse_chunk": chunk, "sparse_sink": sink,
+                 "sparse_stride": stride, "sparse_recent": recent}
     name = f"{size}-{dtype}-{kv_dtype}-dcp{dcp}-sparse{sparse}"
     return Case(name, "MlaVerify", inputs, attrs, lambda: list(mla_verify_ref(*inputs, **attrs)))
 
@@ -98,7 +99,7 @@ def mla_cache_write(size: str, dtype, device, gen, *, cache_dtype=None) -> Case:
         out = inputs[2].clone()
         mla_cache_write_reference(inputs[0], inputs[1], out, inputs[3], kv_scale)
         return [out]
-    return Case(f"{size}-{dtype}-{cache_dtype}", "MlaCacheWrite", inputs, dict(kv_scale=kv_scale), reference,
+    return Case(f"{size}-{dtype}-{cache_dtype}", "MlaCacheWrite", inputs, {"kv_scale": kv_scale}, reference,
                 exact=True)
 
 
@@ -132,8 +133,8 @@ def kda_recurrent(size: str, dtype, device, gen, *, save_all=True, batched=True)
 
     B, T, H, dk, dv = {"tiny": (2, 3, 2, 32, 32), "k3": (8, 4, 96, 128, 128)}[size]
     inputs = _kda_inputs(B if batched else 0, T, H, dk, dv, dtype, device, gen)
-    attrs = dict(scale=dk ** -0.5, save_all=int(save_all))
-    ref = lambda: list(_kda_recurrent_torch(*inputs, attrs["scale"], save_all))  # noqa: E731
+    attrs = {"scale": dk ** -0.5, "save_all": int(save_all)}
+    ref = lambda: list(_kda_recurrent_torch(*inputs, attrs["scale"], save_all))
     return Case(f"{size}-{dtype}-save{int(save_all)}-b{int(batched)}", "KdaRecurrent", inputs, attrs, ref)
 
 
@@ -142,11 +143,11 @@ def kda_chunked(size: str, dtype, device, gen, *, batched=False) -> Case:
 
     B, T, H, dk, dv, chunk = {"tiny": (2, 20, 2, 32, 32, 8), "k3": (1, 256, 96, 128, 128, 64)}[size]
     inputs = _kda_inputs(B if batched else 0, T, H, dk, dv, dtype, device, gen)
-    attrs = dict(scale=dk ** -0.5, chunk_size=chunk)
-    ref = lambda: list(_kda_chunked_torch(*inputs, attrs["scale"], chunk))  # noqa: E731
+    attrs = {"scale": dk ** -0.5, "chunk_size": chunk}
+    ref = lambda: list(_kda_chunked_torch(*inputs, attrs["scale"], chunk))
     # the plugin runs the recurrence: equal to the chunked form up to fp32 rounding
     return Case(f"{size}-{dtype}-b{int(batched)}", "KdaChunked", inputs, attrs, ref,
-                tol={torch.float32: dict(atol=1e-4, rtol=1e-3, rel_norm=1e-4)})
+                tol={torch.float32: {"atol": 1e-4, "rtol": 1e-3, "rel_norm": 1e-4}})
 
 
 def short_conv(size: str, dtype, device, gen, *, save_all=True, batched=True, state_dtype=torch.float32) -> Case:
@@ -156,9 +157,9 @@ def short_conv(size: str, dtype, device, gen, *, save_all=True, batched=True, st
     lead = (B, T) if batched else (T,)
     inputs = [_rand(gen, (*lead, C), dtype, device), _rand(gen, (C, 1, K), dtype, device, 0.5),
               _rand(gen, (*((B,) if batched else ()), C, K - 1), state_dtype, device)]
-    ref = lambda: list(_short_conv_torch(*inputs, save_all))  # noqa: E731
+    ref = lambda: list(_short_conv_torch(*inputs, save_all))
     return Case(f"{size}-{dtype}-{state_dtype}-save{int(save_all)}-b{int(batched)}", "ShortConv", inputs,
-                dict(save_all=int(save_all)), ref)
+                {"save_all": int(save_all)}, ref)
 
 
 # ------------------------------------------------------------------------------ MoE
@@ -173,8 +174,8 @@ def moe_experts(size: str, dtype, device, gen, *, activation="situ") -> Case:
               torch.softmax(top.values, -1).to(device),
               _rand(gen, (E, I, W), dtype, device, W ** -0.5), _rand(gen, (E, I, W), dtype, device, W ** -0.5),
               _rand(gen, (E, W, I), dtype, device, I ** -0.5)]
-    attrs = dict(activation=activation, beta=beta, linear_beta=linear_beta)
-    ref = lambda: [torch.ops.k3trt.moe_experts(*inputs, activation, beta, linear_beta)]  # noqa: E731
+    attrs = {"activation": activation, "beta": beta, "linear_beta": linear_beta}
+    ref = lambda: [torch.ops.k3trt.moe_experts(*inputs, activation, beta, linear_beta)]
     return Case(f"{size}-{dtype}-{activation}", "MoeExperts", inputs, attrs, ref)
 
 

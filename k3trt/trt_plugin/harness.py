@@ -15,9 +15,10 @@ attributes: INT -> kINT32, FLOAT -> kFLOAT32, STRING -> kCHAR.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -49,7 +49,7 @@ def rtx_link_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
                            "tensorrt-rtx-cu13-bindings==1.7.1.116")
-    real = Path(list(spec.submodule_search_locations)[0]) / "libtensorrt_rtx.so.1"
+    real = Path(next(iter(spec.submodule_search_locations))) / "libtensorrt_rtx.so.1"
     link_dir = cache_dir() / "rtx_link"
     link_dir.mkdir(parents=True, exist_ok=True)
     link = link_dir / "libtensorrt_rtx.so"
