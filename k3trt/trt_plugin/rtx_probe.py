@@ -2,7 +2,7 @@
 plugin registry, parse a one-node ONNX graph (a k3trt op with the parser's plugin_namespace /
 plugin_version attributes) and build a serialized engine for SM120 on this (CPU-only) machine.
 
-    python -m k3trt.trt_plugin.rtx_probe [--op MergeAttnStates|MlaVerify] [--library PATH] [--no-link]
+    python -m k3trt.trt_plugin.rtx_probe [--op MergeAttnStates|MlaVerify|...|all] [--library PATH] [--no-link]
 
 RTX's ONNX parser dlopens ``libtensorrt_rtx.so`` (the unversioned name) when it imports a plugin
 node, and the wheel ships only ``libtensorrt_rtx.so.1``: without that name the parser throws
@@ -25,22 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from onnx import TensorProto, helper
 
 from k3trt.trt_plugin.build import build_library, cache_dir
 
-# op -> (inputs, outputs, attributes): tiny fp32 shapes, the attributes the exporter writes
-GRAPHS = {
-    "MergeAttnStates": (
-        [("out_a", [4, 2, 8]), ("lse_a", [4, 2]), ("out_b", [4, 2, 8]), ("lse_b", [4, 2])],
-        [("out", [4, 2, 8]), ("lse", [4, 2])], {}),
-    "MlaVerify": (
-        [("q", [4, 2, 32]), ("kv_cache", [4, 16, 32]), ("block_table", [2, 2]), ("seq_lens", [2])],
-        [("out", [4, 2, 16]), ("lse", [4, 2])],
-        {"q_per_req": 2, "softmax_scale": 0.125, "kv_scale": 1.0, "d_v": 16, "dcp_size": 1, "dcp_rank": 0,
-         "dcp_interleave": 1, "sparse_chunk": 0, "sparse_sink": 1, "sparse_stride": 1, "sparse_recent": 1}),
-}
-INT_INPUTS = {"block_table", "seq_lens"}
+OP_TYPES = ("MergeAttnStates", "MlaVerify", "MlaCacheWrite", "KdaRecurrent", "KdaChunked", "ShortConv", "MoeExperts")
+ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
+               torch.bfloat16: TensorProto.BFLOAT16, torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN,
+               torch.int32: TensorProto.INT32, torch.int64: TensorProto.INT64}
 
 
 def rtx_link_dir() -> Path:
@@ -72,12 +65,19 @@ def rtx_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def graph_bytes(op: str) -> bytes:
-    ins, outs, attrs = GRAPHS[op]
-    dtype = {n: TensorProto.INT32 if n in INT_INPUTS else TensorProto.FLOAT for n, _ in ins + outs}
-    node = helper.make_node(op, [n for n, _ in ins], [n for n, _ in outs], domain="k3trt",
-                            plugin_namespace="k3trt", plugin_version="1", **attrs)
-    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info(n, dtype[n], s) for n, s in ins],
-                              [helper.make_tensor_value_info(n, dtype[n], s) for n, s in outs])
+    """A one-node graph as the exporter writes it (domain ``k3trt``, the torch op's scalars as
+    attributes, no plugin_namespace / plugin_version), with the dtypes and shapes of the op's first
+    tiny case in k3trt.trt_plugin.cases."""
+    from k3trt.builder.onnx_ops import BY_OP_TYPE
+    from k3trt.trt_plugin.cases import all_cases
+
+    case = next(c for c in all_cases("tiny", "cpu") if c.op == op)
+    contract = BY_OP_TYPE[op]
+    ins = [(p.name, t) for p, t in zip(contract.inputs, case.inputs)]
+    outs = [(p.name, t) for p, t in zip(contract.outputs, case.reference())]
+    info = [helper.make_tensor_value_info(n, ONNX_DTYPES[t.dtype], list(t.shape)) for n, t in ins + outs]
+    node = helper.make_node(op, [n for n, _ in ins], [n for n, _ in outs], domain="k3trt", **case.attrs)
+    graph = helper.make_graph([node], f"probe_{op}", info[:len(ins)], info[len(ins):])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("k3trt", 1)])
     return model.SerializeToString()
 
@@ -90,7 +90,7 @@ def step(name: str, fn):
     return out
 
 
-def probe(op: str, library: str | None) -> int:
+def probe(ops: list[str], library: str | None) -> int:
     import tensorrt_rtx_bindings as trt
 
     class Logger(trt.ILogger):
@@ -108,36 +108,42 @@ def probe(op: str, library: str | None) -> int:
     step("load_library", lambda: registry.load_library(lib))
     step("creators", lambda: sorted(f"{c.plugin_namespace}::{c.name}/{c.plugin_version}"
                                     for c in registry.all_creators if c.plugin_namespace == "k3trt"))
-    step("get_creator", lambda: registry.get_creator(op, "1", "k3trt"))
+    failed = [op for op in ops if not _build_one(trt, logger, registry, op)]
+    print("FAILED" if failed else "ALL-BUILT", failed or len(ops), flush=True)
+    return 1 if failed else 0
+
+
+def _build_one(trt, logger, registry, op: str) -> bool:
+    step(f"{op}: get_creator", lambda: registry.get_creator(op, "1", "k3trt"))
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
-    ok = step("parse", lambda: parser.parse(graph_bytes(op)))
+    ok = step(f"{op}: parse", lambda: parser.parse(graph_bytes(op)))
     if not ok:
         print("PARSE-ERRORS", [str(parser.get_error(i)) for i in range(parser.num_errors)], flush=True)
-        return 1
-    step("layers", lambda: [(network.get_layer(i).name, str(network.get_layer(i).type))
+        return False
+    step(f"{op}: layers", lambda: [(network.get_layer(i).name, str(network.get_layer(i).type))
                             for i in range(network.num_layers)])
     config = builder.create_builder_config()
     config.num_compute_capabilities = 1
     config.set_compute_capability(trt.ComputeCapability.SM120, 0)
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-    plan = step("build_serialized_network", lambda: builder.build_serialized_network(network, config))
+    # MlaCacheWrite's aliased cache: RTX refuses aliased plugin I/O unless this is on
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    plan = step(f"{op}: build_serialized_network", lambda: builder.build_serialized_network(network, config))
     if plan is None:
-        print("RESULT build returned None (the log above has the reason)", flush=True)
-        return 1
-    print(f"RESULT engine {plan.nbytes} bytes for SM120", flush=True)
-    runtime = trt.Runtime(logger)
-    engine = step("deserialize_cuda_engine", lambda: runtime.deserialize_cuda_engine(plan))
-    if engine is not None:
-        inspector = engine.create_engine_inspector()
-        print("ENGINE-LAYERS", inspector.get_engine_information(trt.LayerInformationFormat.JSON), flush=True)
-    return 0
+        print(f"RESULT {op}: build returned None (the log above has the reason)", flush=True)
+        return False
+    # (deserializing needs a GPU of the target: here it fails with "CUDA driver version is insufficient")
+    print(f"RESULT {op}: engine {plan.nbytes} bytes for SM120", flush=True)
+    return True
+
+
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m k3trt.trt_plugin.rtx_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--op", choices=sorted(GRAPHS), default="MergeAttnStates")
+    parser.add_argument("--op", choices=[*OP_TYPES, "all"], default="MergeAttnStates")
     parser.add_argument("--library", help="a built plugin library (default: build_library for sm_120)")
     parser.add_argument("--no-link", action="store_true", help="do not provide libtensorrt_rtx.so (shows the abort)")
     args = parser.parse_args(argv)
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_link and str(rtx_link_dir()) not in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, "-m", "k3trt.trt_plugin.rtx_probe", *argv], rtx_env())
-    sys.exit(probe(args.op, args.library))
+    sys.exit(probe(list(OP_TYPES) if args.op == "all" else [args.op], args.library))
 
 
 if __name__ == "__main__":
