@@ -15,6 +15,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from k3trt.plugins.cache_write import mla_cache_write_reference
+from k3trt.plugins.dcp import local_len
+from k3trt.plugins.kda import (
+    _kda_chunked_torch,
+    _kda_recurrent_torch,
+    _short_conv_torch,
+)
+from k3trt.plugins.merge import merge_attn_states_ref
+from k3trt.plugins.mla_verify import mla_verify_ref
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -43,8 +53,6 @@ def _nan_fill(t: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------ MLA
 def mla_verify(size: str, dtype, device, gen, *, kv_dtype=None, dcp=(1, 0, 1), sparse=(0, 1, 1, 1)) -> Case:
-    from k3trt.plugins.dcp import local_len
-    from k3trt.plugins.mla_verify import mla_verify_ref
 
     B, Q, H, d_v, rope, page, lens = {
         "tiny": (3, 2, 4, 64, 16, 16, (1, 20, 45)),
@@ -85,7 +93,6 @@ def mla_verify(size: str, dtype, device, gen, *, kv_dtype=None, dcp=(1, 0, 1), s
 
 
 def mla_cache_write(size: str, dtype, device, gen, *, cache_dtype=None) -> Case:
-    from k3trt.plugins.cache_write import mla_cache_write_reference
 
     T, R, P, blocks, page = {"tiny": (7, 64, 16, 4, 16), "k3": (64, 512, 64, 40, 64)}[size]
     cache_dtype = cache_dtype or dtype
@@ -104,7 +111,6 @@ def mla_cache_write(size: str, dtype, device, gen, *, cache_dtype=None) -> Case:
 
 
 def merge_attn_states(size: str, dtype, device, gen) -> Case:
-    from k3trt.plugins.merge import merge_attn_states_ref
 
     T, H, d_v = {"tiny": (6, 4, 32), "k3": (128, 96, 512)}[size]
     out_a, out_b = _rand(gen, (T, H, d_v), dtype, device), _rand(gen, (T, H, d_v), dtype, device)
@@ -129,7 +135,6 @@ def _kda_inputs(B, T, H, dk, dv, dtype, device, gen):
 
 
 def kda_recurrent(size: str, dtype, device, gen, *, save_all=True, batched=True) -> Case:
-    from k3trt.plugins.kda import _kda_recurrent_torch
 
     B, T, H, dk, dv = {"tiny": (2, 3, 2, 32, 32), "k3": (8, 4, 96, 128, 128)}[size]
     inputs = _kda_inputs(B if batched else 0, T, H, dk, dv, dtype, device, gen)
@@ -139,7 +144,6 @@ def kda_recurrent(size: str, dtype, device, gen, *, save_all=True, batched=True)
 
 
 def kda_chunked(size: str, dtype, device, gen, *, batched=False) -> Case:
-    from k3trt.plugins.kda import _kda_chunked_torch
 
     B, T, H, dk, dv, chunk = {"tiny": (2, 20, 2, 32, 32, 8), "k3": (1, 256, 96, 128, 128, 64)}[size]
     inputs = _kda_inputs(B if batched else 0, T, H, dk, dv, dtype, device, gen)
@@ -151,7 +155,6 @@ def kda_chunked(size: str, dtype, device, gen, *, batched=False) -> Case:
 
 
 def short_conv(size: str, dtype, device, gen, *, save_all=True, batched=True, state_dtype=torch.float32) -> Case:
-    from k3trt.plugins.kda import _short_conv_torch
 
     B, T, C, K = {"tiny": (2, 5, 64, 4), "k3": (8, 4, 96 * 128, 4)}[size]
     lead = (B, T) if batched else (T,)
@@ -164,7 +167,8 @@ def short_conv(size: str, dtype, device, gen, *, save_all=True, batched=True, st
 
 # ------------------------------------------------------------------------------ MoE
 def moe_experts(size: str, dtype, device, gen, *, activation="situ") -> Case:
-    import k3trt.builder.export  # noqa: F401  (registers torch.ops.k3trt.moe_experts, the reference)
+    # registers torch.ops.k3trt.moe_experts, the reference; imported here because it pulls in the model
+    import k3trt.builder.export  # noqa: F401
 
     T, W, I, E, k = {"tiny": (5, 64, 32, 8, 2), "k3": (8, 3584, 3072, 32, 16)}[size]
     beta, linear_beta = (4.0, 25.0) if activation == "situ" else (0.0, 0.0)

@@ -1,6 +1,6 @@
 """Does TensorRT-RTX take the k3trt plugin library? Build the library for sm_120, load it into RTX's
-plugin registry, parse a one-node ONNX graph (a k3trt op with the parser's plugin_namespace /
-plugin_version attributes) and build a serialized engine for SM120 on this (CPU-only) machine.
+plugin registry, parse one-node ONNX graphs (a k3trt node as the exporter writes it) and build a
+serialized engine for SM120 from each on this (CPU-only) machine.
 
     python -m k3trt.trt_plugin.rtx_probe [--op MergeAttnStates|MlaVerify|...|all] [--library PATH] [--no-link]
 
@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 from onnx import TensorProto, helper
 
+from k3trt.builder.onnx_ops import BY_OP_TYPE
 from k3trt.trt_plugin.build import build_library, cache_dir
+from k3trt.trt_plugin.cases import all_cases
 
 OP_TYPES = ("MergeAttnStates", "MlaVerify", "MlaCacheWrite", "KdaRecurrent", "KdaChunked", "ShortConv", "MoeExperts")
 ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
@@ -68,9 +70,6 @@ def graph_bytes(op: str) -> bytes:
     """A one-node graph as the exporter writes it (domain ``k3trt``, the torch op's scalars as
     attributes, no plugin_namespace / plugin_version), with the dtypes and shapes of the op's first
     tiny case in k3trt.trt_plugin.cases."""
-    from k3trt.builder.onnx_ops import BY_OP_TYPE
-    from k3trt.trt_plugin.cases import all_cases
-
     case = next(c for c in all_cases("tiny", "cpu") if c.op == op)
     contract = BY_OP_TYPE[op]
     ins = [(p.name, t) for p, t in zip(contract.inputs, case.inputs)]
@@ -91,7 +90,7 @@ def step(name: str, fn):
 
 
 def probe(ops: list[str], library: str | None) -> int:
-    import tensorrt_rtx_bindings as trt
+    import tensorrt_rtx_bindings as trt  # optional dependency: only this probe needs it
 
     class Logger(trt.ILogger):
         """Warnings and errors, plus the builder's per-layer lines (the engine's layer information)."""
