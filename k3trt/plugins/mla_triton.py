@@ -250,7 +250,8 @@ def mla_verify_fwd(plan: VerifyPlan, q, kv_cache, block_table, seq_lens, q_per_r
 
 
 def merge_two(out_a, lse_a, out_b, lse_b):
-    """One-pass LSE merge of two partials ([T, H, d_v] + [T, H])."""
+    """One-pass LSE merge of two partials ([T, H, d_v] contiguous + [T, H] of any float dtype)."""
+    lse_a, lse_b = lse_a.float().contiguous(), lse_b.float().contiguous()
     d_v = out_a.shape[-1]
     rows = lse_a.numel()
     out = torch.empty_like(out_a)
