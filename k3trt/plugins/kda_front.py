@@ -18,7 +18,7 @@ torch launches per layer.
            (conventionally empty) that is neither read nor written;
     y      [B, n, C] contiguous, x's dtype: SiLU of the causal depthwise conv (fp32 arithmetic).
     Equal to the gather, ``torch.where(fresh, 0, window)``, ``k3trt::short_conv`` and the scatter
-    that the KDA layer used to run around it. Rows sharing one slot (padding rows on a trash slot,
+    around it (the KDA layer's unfused form). Rows sharing one slot (padding rows on a trash slot,
     fresh=True) each compute their y exactly, but what that slot (and its step_conv rows) holds
     afterwards is unspecified; a row that is not fresh must not share its slot.
 

@@ -106,14 +106,14 @@ def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
     return make_plan(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8=kv_fp8, num_sms=sms)
 
 
-# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda ("cuda" is now the
-# same as "auto", kept so that existing settings stay valid). "auto" takes the
-# SM90 CUDA kernel (mla_cuda/) wherever it runs: on the H200 it was faster than the Triton kernel in
-# 69 of 72 cells (heads 12/48/96, batch 1/8/32/128, context 1K/8K/32K, bf16/fp8; mla_cuda_h200.json
-# run 10), e.g. 0.77-1.00 of the roofline vs 0.44-0.48 at 12 heads and batch >= 32, and at batch 1
-# 28 vs 39 us (12 heads, 32K) or 68 vs 147 us (96 heads, 32K). The three: bf16, 1K context, batch
-# 1-8, where Triton's split-d_v config is 1.5-1.8 us faster. A captured graph replays one kernel
-# at every length, so the choice cannot follow the context.
+# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda ("cuda" means the
+# same as "auto"). "auto" takes the SM90 CUDA kernel (mla_cuda/) wherever it runs: on the H200 it
+# was faster than the Triton kernel in 69 of 72 cells (heads 12/48/96, batch 1/8/32/128, context
+# 1K/8K/32K, bf16/fp8; benchmarks/results/mla_cuda_h200.json), e.g. 0.77-1.00 of the roofline vs
+# 0.44-0.48 at 12 heads and batch >= 32, and at batch 1 28 vs 39 us (12 heads, 32K) or 68 vs 147 us
+# (96 heads, 32K). The three: bf16, 1K context, batch 1-8, where Triton's split-d_v config is
+# 1.5-1.8 us faster. A captured graph replays one kernel at every length, so the choice cannot
+# follow the context.
 KERNEL_ENV = "K3TRT_MLA_KERNEL"
 
 
