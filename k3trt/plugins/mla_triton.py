@@ -215,7 +215,7 @@ def mla_verify_fwd(plan: VerifyPlan, q, kv_cache, block_table, seq_lens, q_per_r
                    kv_scale=1.0, d_v=512, dcp_size=1, dcp_rank=0, dcp_interleave=1,
                    sparse_chunk=0, sparse_sink=1, sparse_stride=1, sparse_recent=1, *,
                    out=None, lse=None, poison_scratch=False):
-    """Launch per `plan` (callers check support first: mla_verify.kernel_unsupported).
+    """Launch per `plan` (callers check support first: mla_verify_ref.mla_verify_unsupported).
     Tests pass NaN-filled `out` / `lse` and `poison_scratch` to prove every element is written
     and no unwritten partial is read."""
     batch, heads, width = block_table.shape[0], q.shape[1], q.shape[2]
