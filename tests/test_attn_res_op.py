@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from k3trt.plugins import attn_res as ops
+from k3trt.plugins import attn_res_ref, dispatch
 from k3trt.plugins.attn_res import attn_res_reference
 from k3trt.testing import assert_close, bits
 from triton_interp import run_interpreted
@@ -321,7 +322,7 @@ GPU_TOL = {F32: TIGHT, BF16: BF16_TOL, F16: F16_TOL}
 def test_gpu_op_matches_reference(case):
     """Through the op (so through the registered CUDA kernel), rounding included."""
     a = make_inputs(case, 0, "cuda").args
-    assert ops.kernel_unsupported(a[0], a[1], a[3], a[4], a[5], a[6]) is None
+    assert attn_res_ref.attn_res_unsupported(a[0], a[1], a[3], a[4], a[5], a[6]) is None
     run_and_check(case, case.T, "cuda", torch.ops.k3trt.attn_res, GPU_TOL[case.dtype])
 
 
@@ -349,7 +350,7 @@ def test_gpu_op_equals_direct_launch():
 def test_gpu_fallback(caplog):
     """fp64 is not the kernel's: the op warns and runs its torch body, still correct."""
     case = ResCase(3, 256, 2, 2, dtype=torch.float64)
-    ops._log_fallback.cache_clear()
+    dispatch.log_fallback.cache_clear()
     with caplog.at_level("WARNING", logger="k3trt"):
         run_and_check(case, 0, "cuda", torch.ops.k3trt.attn_res, dict(dtype=torch.float64))
     assert "does not cover" in caplog.text

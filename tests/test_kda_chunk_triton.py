@@ -1,5 +1,5 @@
 """k3trt::kda_chunked on CUDA: the Triton kernel (kda_chunk_triton.py) against the torch body
-(``_kda_chunked_torch``) and the fp64 oracle (``kda_reference_loop``).
+(``kda_chunked_reference``) and the fp64 oracle (``kda_reference_loop``).
 
 CPU (CI): the kernel under Triton's interpreter (a subprocess with TRITON_INTERPRET=1, which must be
 set before triton is imported), fp32 and fp16 inputs (the interpreter rounds to bf16 inexactly):
@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3trt.plugins import dispatch, kda_ref
 from k3trt.plugins import kda as ops
 from k3trt.testing import assert_close
 from triton_interp import run_interpreted
@@ -137,7 +138,7 @@ def check_case(case: ChunkCase, seed: int, device, chunk_size: int, with_oracle:
     assert o is out[0] and final is out[1]
     assert o.dtype == case.dtype and final.dtype == F32
     assert not torch.isnan(o).any() and not torch.isnan(final).any(), "an output element was not written"
-    ro, rfinal = ops._kda_chunked_torch(*args, chunk_size)
+    ro, rfinal = kda_ref.kda_chunked_reference(*args, chunk_size)
     if o_tol is None:
         o_tol = KERNEL_TOL if case.dtype == F32 else O16_TOL[case.dtype]
     assert_close(o.float(), ro.float(), name="o vs torch body", **o_tol)
@@ -187,14 +188,14 @@ def test_triton_kernel_under_interpreter():
 # ----------------------------------------------------------------------------- CPU: no kernel launched
 @needs_triton
 def test_fallback_off_cuda_logs_once(caplog):
-    """Off CUDA (and for any unsupported call) kda_chunked_cuda is the torch body, with one warning."""
-    from k3trt.plugins import kda_chunk_triton as kt
-    kt._log_fallback.cache_clear()
+    """Off CUDA (and for any unsupported call) the op's CUDA registration is the torch body, with one
+    warning."""
+    dispatch.log_fallback.cache_clear()
     args = make_inputs(ChunkCase(20), 1)
     with caplog.at_level(logging.WARNING, logger="k3trt"):
         for _ in range(2):
-            o, final = kt.kda_chunked_cuda(*args, 32)
-    ro, rfinal = ops._kda_chunked_torch(*args, 32)
+            o, final = ops._kda_chunked_cuda(*args, 32)
+    ro, rfinal = kda_ref.kda_chunked_reference(*args, 32)
     assert torch.equal(o, ro) and torch.equal(final, rfinal)
     warnings = [r for r in caplog.records if "kda_chunked" in r.getMessage()]
     assert len(warnings) == 1 and "not on CUDA" in warnings[0].getMessage()
@@ -202,12 +203,11 @@ def test_fallback_off_cuda_logs_once(caplog):
 
 @needs_triton
 def test_unsupported_reasons():
-    from k3trt.plugins import kda_chunk_triton as kt
     q, k, v, g, beta, state, _ = make_inputs(ChunkCase(3, dk=16, dv=16), 0)
-    assert "not on CUDA" in kt.kernel_unsupported(q, k, v, g, beta, state)
+    assert "not on CUDA" in kda_ref.kda_chunked_unsupported(q, k, v, g, beta, state)
     small = make_inputs(ChunkCase(3, dk=8, dv=16), 0)
-    assert "dk=8" in kt.kernel_unsupported(*small[:6])
-    assert "q torch.float64" in kt.kernel_unsupported(q.double(), k, v, g, beta, state)
+    assert "dk=8" in kda_ref.kda_chunked_unsupported(*small[:6])
+    assert "q torch.float64" in kda_ref.kda_chunked_unsupported(q.double(), k, v, g, beta, state)
 
 
 @needs_triton
@@ -254,22 +254,19 @@ def test_gpu_kernel_matches_torch_body(case):
 
 @pytest.mark.gpu
 def test_gpu_fallback_for_small_heads(caplog):
-    """dk = dv = 8 is not the kernel's: kda_chunked_cuda is the torch body, with a warning."""
-    from k3trt.plugins import kda_chunk_triton as kt
-    kt._log_fallback.cache_clear()
+    """dk = dv = 8 is not the kernel's: the op's CUDA registration is the torch body, with a warning."""
+    dispatch.log_fallback.cache_clear()
     args = make_inputs(ChunkCase(40, dk=8, dv=8), 0, "cuda")
     with caplog.at_level(logging.WARNING, logger="k3trt"):
-        o, final = kt.kda_chunked_cuda(*args, 32)
-    ro, rfinal = ops._kda_chunked_torch(*args, 32)
+        o, final = ops._kda_chunked_cuda(*args, 32)
+    ro, rfinal = kda_ref.kda_chunked_reference(*args, 32)
     assert torch.equal(o, ro) and torch.equal(final, rfinal)
     assert any("dk=8" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.gpu
 def test_gpu_op_dispatches_to_the_kernel():
-    """Once kda.py registers kda_chunked_cuda, the op on CUDA tensors is the kernel, bit for bit."""
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("k3trt::kda_chunked", "CUDA"):
-        pytest.skip("k3trt::kda_chunked has no CUDA kernel registered yet")
+    """The op on CUDA tensors is the kernel, bit for bit."""
     from k3trt.plugins import kda_chunk_triton as kt
     args = make_inputs(ChunkCase(300, B=2, H=96, dk=128, dv=128, decay="k3", dtype=BF16), 5, "cuda")
     o, final = torch.ops.k3trt.kda_chunked(*args, 32)
@@ -281,26 +278,25 @@ def test_gpu_op_dispatches_to_the_kernel():
 def test_gpu_graph_capture_and_replay():
     """Capture the launcher (under inference_mode, as runtime/graphs.py does), copy a second call's
     inputs into the static buffers, replay: equal to running that call eagerly, bit for bit."""
-    from k3trt.plugins import kda_chunk_triton as kt
     case = ChunkCase(200, B=2, H=96, dk=128, dv=128, decay="k3", dtype=BF16)
     static = make_inputs(case, 10, "cuda")
     nxt = make_inputs(case, 11, "cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.inference_mode():
-        kt.kda_chunked_cuda(*static, 32)                       # compiles the kernel before capture
+        ops._kda_chunked_cuda(*static, 32)                     # compiles the kernel before capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
-        o_static, final_static = kt.kda_chunked_cuda(*static, 32)
+        o_static, final_static = ops._kda_chunked_cuda(*static, 32)
 
     for dst, src in zip(static[:6], nxt[:6]):
         dst.copy_(src)                # q, k, v are views of one buffer: copy_ writes through them
-    o_eager, final_eager = kt.kda_chunked_cuda(*nxt, 32)
+    o_eager, final_eager = ops._kda_chunked_cuda(*nxt, 32)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_static, o_eager), "replay != eager (o)"
     assert torch.equal(final_static, final_eager), "replay != eager (final state)"
-    ro, rfinal = ops._kda_chunked_torch(*nxt, 32)
+    ro, rfinal = kda_ref.kda_chunked_reference(*nxt, 32)
     assert_close(o_static.float(), ro.float(), name="replayed o vs torch body", **O16_TOL[BF16])
     assert_close(final_static, rfinal, name="replayed state vs torch body", **GPU_STATE_TOL)

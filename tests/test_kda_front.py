@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from k3trt.plugins import kda_front as front
+from k3trt.plugins import kda_front_ref as front_ref
 from k3trt.testing import assert_close, same_bits
 from triton_interp import run_interpreted
 
@@ -381,7 +382,7 @@ GPU_PREP_CASES = [PrepCase(T, **K3, lower_bound=lb, dtype=dt)
 def test_gpu_conv_op_matches_torch_body(case):
     """Through the op (so the registered kernel, with no fallback at K3 sizes)."""
     a = make_conv_inputs(case, 0, "cuda").args
-    assert front.conv_kernel_unsupported(a[0], a[1], a[2], a[5], case.save) is None
+    assert front_ref.short_conv_slots_unsupported(a[0], a[1], a[2], a[5], case.save) is None
     tol = GPU_TOL if case.dtype == F32 else dict(dtype=BF16)
     run_conv(case, case.B + case.n, "cuda", torch.ops.k3trt.short_conv_slots, front.short_conv_slots_reference, tol)
 
@@ -390,7 +391,7 @@ def test_gpu_conv_op_matches_torch_body(case):
 @pytest.mark.gpu
 def test_gpu_prep_op_matches_torch_body(case):
     args = make_prep_inputs(case, case.T, "cuda")
-    assert front.prep_kernel_unsupported(*args[:5], case.D) is None
+    assert front_ref.kda_prep_unsupported(*args[:5], case.D) is None
     check_prep(torch.ops.k3trt.kda_prep(*args), front.kda_prep_reference(*args), case, GPU_TOL)
 
 
@@ -401,7 +402,7 @@ def test_gpu_conv_fallback_for_another_kernel_size(caplog):
     args = list(clone_caches(inp.args))
     args[1], args[2], args[5] = args[1][..., :3], args[2][..., :2].contiguous(), args[5][..., :2].contiguous()
     ref = clone_caches(args)
-    assert front.conv_kernel_unsupported(args[0], args[1], args[2], args[5], True)
+    assert front_ref.short_conv_slots_unsupported(args[0], args[1], args[2], args[5], True)
     y = torch.ops.k3trt.short_conv_slots(*args)
     cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in ref]
     real = inp.real_slots

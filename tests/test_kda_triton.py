@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from k3trt.plugins import kda as ops
+from k3trt.plugins import kda_ref
 from k3trt.testing import assert_close, bits, same_bits
 from triton_interp import run_interpreted
 
@@ -221,7 +222,7 @@ def interpreter_main() -> None:
         def kernel(*a, bv=bv):
             return kda_triton.kda_recurrent_slots_fwd(*a, block_v=bv)
         try:
-            run_and_check(case, 1, "cpu", kernel, ops._kda_recurrent_slots_torch, KERNEL_TOL)
+            run_and_check(case, 1, "cpu", kernel, kda_ref.kda_recurrent_slots_reference, KERNEL_TOL)
         except AssertionError as e:
             raise AssertionError(f"case {case} BV={bv}: {e}") from e
     # a slot outside the cache is neither read nor written (the torch body would raise): the caches
@@ -241,7 +242,7 @@ def interpreter_main() -> None:
     assert torch.equal(bits(backing[1][keep]), bits(before[1][keep])), "out-of-range slot: step state written"
     zero = list(clone_caches(inp.args))
     zero[6], zero[7] = torch.tensor([1, 1]), torch.tensor([False, True])
-    ref = ops._kda_recurrent_slots_torch(*zero)
+    ref = kda_ref.kda_recurrent_slots_reference(*zero)
     assert_close(o[1], ref[1], name="out-of-range slot: o from a zero state", **KERNEL_TOL)
 
 
@@ -267,7 +268,7 @@ def test_gpu_kernel_matches_torch_body(case, bv):
     from k3trt.plugins import kda_triton
     run_and_check(case, case.B + case.n, "cuda",
                   lambda *a: kda_triton.kda_recurrent_slots_fwd(*a, block_v=bv),
-                  ops._kda_recurrent_slots_torch, KERNEL_TOL)
+                  kda_ref.kda_recurrent_slots_reference, KERNEL_TOL)
 
 
 @pytest.mark.gpu
@@ -277,7 +278,7 @@ def test_gpu_op_dispatches_to_the_kernel():
     case = SlotsCase(8, 4, H=96, dk=128, dv=128, dtype=torch.bfloat16)
     inp = make_inputs(case, 3, "cuda")
     a = inp.args
-    assert ops.slots_kernel_unsupported(a[0], a[2], a[5], a[8], True) is None
+    assert kda_ref.kda_recurrent_slots_unsupported(a[0], a[2], a[5], a[8], True) is None
     args, direct = clone_caches(a), clone_caches(a)
     o = torch.ops.k3trt.kda_recurrent_slots(*args)
     od = kda_triton.kda_recurrent_slots_fwd(*direct)
@@ -292,7 +293,7 @@ def test_gpu_fallback_for_small_heads():
     """dk = dv = 8 is not the kernel's: the op falls back to its torch body, still correct."""
     case = SlotsCase(4, 3, dk=8, dv=8)
     inp = make_inputs(case, 0, "cuda")
-    assert ops.slots_kernel_unsupported(inp.args[0], inp.args[2], inp.args[5], inp.args[8], True)
+    assert kda_ref.kda_recurrent_slots_unsupported(inp.args[0], inp.args[2], inp.args[5], inp.args[8], True)
     run_and_check(case, 0, "cuda", torch.ops.k3trt.kda_recurrent_slots, _oracle_on_cpu, dict(dtype=F32))
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import k3trt.plugins.merge  # noqa: F401  (registers the op)
-from k3trt.plugins import dcp, plans
+from k3trt.plugins import dcp, dcp_sim, plans
 from k3trt.plugins.mla_verify import mla_verify_ref, sparse_keep, visible_lengths
 from k3trt.testing import assert_close
 
@@ -142,7 +142,7 @@ def test_spec_vector_and_placement():
 def test_dcp_shards_merge_to_unsharded(size, inter, q_per_req):
     case = Case((0, 3, 17, 50, 97), q_per_req, page=16)
     q, cache, table, seq_lens, kv_global = make_inputs(case, seed=size * 10 + inter)
-    shards = dcp.shard_paged_cache(cache, table, seq_lens, size, inter)
+    shards = dcp_sim.shard_paged_cache(cache, table, seq_lens, size, inter)
     out = lse = None
     for r, (c, t) in enumerate(shards):
         o, s = run_op(q, c, t, seq_lens, case, dcp_size=size, dcp_rank=r, dcp_interleave=inter)
@@ -156,9 +156,9 @@ def test_dcp_group_q_rep(q_rep):
     case = Case((5, 40, 66), heads=4)
     q, cache, table, seq_lens, kv_global = make_inputs(case, seed=7)
     size = 2
-    shards = dcp.shard_paged_cache(cache, table, seq_lens, size, 2)
+    shards = dcp_sim.shard_paged_cache(cache, table, seq_lens, size, 2)
     q_in = [q] * size if q_rep else list(q.chunk(size, dim=1))
-    outs, lses, log = dcp.simulate_dcp_group(q_in, shards, seq_lens, case.q_per_req,
+    outs, lses, log = dcp_sim.simulate_dcp_group(q_in, shards, seq_lens, case.q_per_req,
                                              case.width ** -0.5, d_v=case.d_v, interleave=2,
                                              q_rep=q_rep)
     names = [name for name, _ in log.collectives]
@@ -171,7 +171,7 @@ def test_dcp_group_q_rep(q_rep):
                             torch.float32)
     if q_rep:
         with pytest.raises(ValueError):
-            dcp.simulate_dcp_group(list(q.chunk(size, dim=1)), shards, seq_lens, case.q_per_req,
+            dcp_sim.simulate_dcp_group(list(q.chunk(size, dim=1)), shards, seq_lens, case.q_per_req,
                                    1.0, d_v=case.d_v, q_rep=True)
 
 
@@ -218,9 +218,10 @@ def test_merge_attn_states():
 
 
 def test_plans_capacities_and_pick():
-    assert plans.capacities(28) == [1, 2, 4, 8, 16, 28]
-    assert plans.capacities(1) == [1] and plans.capacities(64)[-2:] == [32, 64]
     ps = plans.make_plans(28, 4, 12, 576, 512)
+    assert [p.capacity for p in ps] == [1, 2, 4, 8, 16, 28]
+    assert [p.capacity for p in plans.make_plans(1, 4, 12, 576, 512)] == [1]
+    assert [p.capacity for p in plans.make_plans(64, 4, 12, 576, 512)][-2:] == [32, 64]
     assert plans.pick_plan(ps, 3).capacity == 4
     assert plans.pick_plan(ps, 17).capacity == 28
     with pytest.raises(ValueError, match="exceed"):
@@ -267,7 +268,7 @@ def test_bad_inputs_raise():
 
 def test_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import k3trt.plugins.mla_verify, "
-            "k3trt.plugins.merge, k3trt.plugins.plans, k3trt.plugins.dcp, "
+            "k3trt.plugins.merge, k3trt.plugins.plans, k3trt.plugins.dcp, k3trt.plugins.dcp_sim, "
             "k3trt.plugins.mla_verify_trt; import torch; assert hasattr(torch.ops.k3trt, 'mla_verify')")
     subprocess.run([sys.executable, "-c", code], check=True)
 

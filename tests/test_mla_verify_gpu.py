@@ -95,10 +95,10 @@ def test_kernel_matches_reference(case, splits, dv_split):
 
 @pytest.mark.parametrize("size,rank,inter", [(2, 1, 1), (4, 3, 2), (4, 0, 3)])
 def test_kernel_dcp_and_sparse(size, rank, inter):
-    from k3trt.plugins import dcp
+    from k3trt.plugins import dcp_sim
     case = Case((0, 17, 500, 1400), 4, heads=12, width=576, d_v=512, dtype=torch.bfloat16)
     q, cache, table, seq_lens, _ = make_inputs(case, seed=rank)
-    c, t = dcp.shard_paged_cache(cache, table, seq_lens, size, inter)[rank]
+    c, t = dcp_sim.shard_paged_cache(cache, table, seq_lens, size, inter)[rank]
     args = [x.cuda() for x in (q, c, t, seq_lens)]
     kw = dict(dcp_size=size, dcp_rank=rank, dcp_interleave=inter)
     check(*run_kernel(*args, case, 3, **kw), *reference(*args, case, **kw))
@@ -111,7 +111,7 @@ def test_op_dispatches_to_kernel_and_captures_in_graph():
     case = Case((5, 900, 64), 4, heads=12, width=576, d_v=512, dtype=torch.bfloat16, kv_dtype=FP8,
                 kv_scale=0.5)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
-    assert mv.kernel_unsupported(q, cache, table, seq_lens, case.d_v) is None
+    assert mv.mla_verify_unsupported(q, cache, table, seq_lens, case.d_v) is None
     call = lambda: torch.ops.k3trt.mla_verify(q, cache, table, seq_lens, 4, case.width ** -0.5,  # noqa: E731
                                               case.kv_scale, case.d_v)
     out, lse = replay_shorter(call, seq_lens)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from k3trt.plugins import dispatch, norm_act_ref
 from k3trt.plugins import norm_act as na
 from k3trt.testing import TOLERANCES, assert_close
 from triton_interp import run_interpreted
@@ -212,26 +213,26 @@ def test_errors_name_the_problem(call, match):
 
 def test_row_layout():
     """Leading dims fold to one or two row strides; three that cannot fold are the fallback's."""
-    assert na.row_layout(torch.empty(16)) == (1, 0, 0)
-    assert na.row_layout(torch.empty(5, 7, 16)) == (35, 0, 16)
-    assert na.row_layout(torch.empty(5, 7, 40)[..., 8:24]) == (35, 0, 40)
-    assert na.row_layout(torch.empty(10, 14, 16)[::2, ::2]) == (7, 2 * 14 * 16, 32)
-    assert na.row_layout(torch.empty(7, 5, 16).transpose(0, 1)) == (7, 16, 80)
-    assert na.row_layout(torch.empty(5, 1, 7, 16)[:, :, ::2]) == (4, 7 * 16, 32)
+    assert norm_act_ref.row_layout(torch.empty(16)) == (1, 0, 0)
+    assert norm_act_ref.row_layout(torch.empty(5, 7, 16)) == (35, 0, 16)
+    assert norm_act_ref.row_layout(torch.empty(5, 7, 40)[..., 8:24]) == (35, 0, 40)
+    assert norm_act_ref.row_layout(torch.empty(10, 14, 16)[::2, ::2]) == (7, 2 * 14 * 16, 32)
+    assert norm_act_ref.row_layout(torch.empty(7, 5, 16).transpose(0, 1)) == (7, 16, 80)
+    assert norm_act_ref.row_layout(torch.empty(5, 1, 7, 16)[:, :, ::2]) == (4, 7 * 16, 32)
     x3 = torch.empty(4, 6, 8, 16)[::2, ::2, ::2]
-    assert na.row_layout(x3) is None
-    assert "more than two strides" in na.rms_norm_unsupported(x3, torch.empty(16))
-    assert "dtype torch.float64" in na.rms_norm_unsupported(torch.empty(3, 16, dtype=torch.float64), torch.empty(16))
-    assert "last-dim stride" in na.gated_act_unsupported(torch.empty(16, 3).t(), torch.empty(3, 16))
-    assert na.kda_out_gate_unsupported(torch.empty(2, 3, 8), torch.empty(2, 24, dtype=BF16), torch.empty(8)) is None
+    assert norm_act_ref.row_layout(x3) is None
+    assert "more than two strides" in norm_act_ref.rms_norm_unsupported(x3, torch.empty(16))
+    assert "dtype torch.float64" in norm_act_ref.rms_norm_unsupported(torch.empty(3, 16, dtype=torch.float64), torch.empty(16))
+    assert "last-dim stride" in norm_act_ref.gated_act_unsupported(torch.empty(16, 3).t(), torch.empty(3, 16))
+    assert norm_act_ref.kda_out_gate_unsupported(torch.empty(2, 3, 8), torch.empty(2, 24, dtype=BF16), torch.empty(8)) is None
 
 
 def test_cuda_fallback_takes_the_reference_and_warns_once(caplog):
     """The CUDA kernels' fallback branch (reached here with fp64 CPU tensors: it returns before
     importing triton)."""
-    na._log_fallback.cache_clear()
+    dispatch.log_fallback.cache_clear()
     x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
-    with caplog.at_level(logging.WARNING, logger="k3trt.plugins.norm_act"):
+    with caplog.at_level(logging.WARNING, logger="k3trt.plugins.dispatch"):
         for _ in range(2):
             assert torch.equal(na._rms_norm_cuda(x, w, EPS), na.rms_norm_reference(x, w, EPS))
         g, u = torch.randn(2, 3, 16, dtype=torch.float64).unbind(0)
@@ -304,9 +305,9 @@ GPU_CASES += [ActCase((T,), I, kind, dt, lb) for I, T, (kind, lb), dt in itertoo
     (3072, 18432), TOKENS, (("silu", 0.0), ("situ", 25.0), ("situ", 0.0)), (BF16, F32))]
 GPU_CASES += [GateCase(T, 96, 128, dt) for T, dt in itertools.product(TOKENS, (BF16, F32))]
 GPU_CASES += [GateCase(7, 96, 128, BF16, "heads_first")]
-UNSUPPORTED = {NormCase: lambda x, w, eps: na.rms_norm_unsupported(x, w),
-               ActCase: lambda g, u, *_: na.gated_act_unsupported(g, u),
-               GateCase: lambda o, g, w, eps: na.kda_out_gate_unsupported(o, g, w)}
+UNSUPPORTED = {NormCase: lambda x, w, eps: norm_act_ref.rms_norm_unsupported(x, w),
+               ActCase: lambda g, u, *_: norm_act_ref.gated_act_unsupported(g, u),
+               GateCase: lambda o, g, w, eps: norm_act_ref.kda_out_gate_unsupported(o, g, w)}
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)

@@ -1,6 +1,8 @@
-"""The k3trt plugin ops as ONNX nodes: one table, from which come the ONNX schemas (domain
-``k3trt``, so the exporter and ``onnx.checker`` know them), the exporter's translation functions,
-and the onnxruntime Python custom ops that run an exported graph on the CPU.
+"""The k3trt plugin ops as ONNX nodes: the consumer of ``k3trt.plugins.ONNX_OPS`` (each op module
+declares its node beside its torch op, plugins/onnx_spec.py), from which come the ONNX schemas
+(domain ``k3trt``, so the exporter and ``onnx.checker`` know them), the exporter's translation
+functions, the standard-ONNX lowerings, and the onnxruntime Python custom ops that run an exported
+graph on the CPU.
 
 Node contract (TensorRT's ONNX parser maps a node of an unknown op to the plugin registered under
 the node's op_type, so these names are also the TensorRT plugin names):
@@ -29,14 +31,17 @@ fp32 activations (the tiny-preset check); any other dtype is refused with a mess
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+
+from k3trt.plugins import ONNX_OPS
+from k3trt.plugins.onnx_spec import OnnxOp
 
 log = logging.getLogger(__name__)
 
@@ -44,102 +49,20 @@ DOMAIN = "k3trt"
 OPSET_VERSION = 1
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 
-_FLOATS = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
-_CACHE = _FLOATS + ("tensor(float8e4m3fn)",)
-_I32 = ("tensor(int32)",)
-_I64 = ("tensor(int64)",)
-_F32 = ("tensor(float)",)
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    types: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class OnnxOp:
-    torch_name: str                      # k3trt::<torch_name>
-    op_type: str                         # ONNX node op_type = TensorRT plugin name
-    inputs: tuple[Param, ...]            # the torch op's tensor arguments, in order
-    outputs: tuple[Param, ...]
-    doc: str
-
-    @property
-    def torch_op(self):
-        return getattr(torch.ops.k3trt, self.torch_name)
-
-    def schema_args(self) -> list:
-        return list(self.torch_op.default._schema.arguments)
-
-    def attributes(self) -> list[tuple[str, str, Any]]:
-        """(name, kind, default) of every non-tensor argument; kind in int | float | str."""
-        out = []
-        for a in self.schema_args():
-            kind = str(a.type)
-            if kind == "Tensor":
-                continue
-            kind = {"bool": "int", "SymInt": "int"}.get(kind, kind)
-            if kind not in ("int", "float", "str"):
-                raise TypeError(f"{self.torch_name}: argument {a.name} has type {a.type}, "
-                                "which has no ONNX attribute form")
-            out.append((a.name, kind, a.default_value if a.has_default_value() else None))
-        return out
-
-
-def _p(names: str, types: tuple[str, ...]) -> tuple[Param, ...]:
-    return tuple(Param(n, types) for n in names.split())
-
-
-OPS: tuple[OnnxOp, ...] = (
-    OnnxOp("mla_verify", "MlaVerify",
-           _p("q", _FLOATS) + _p("kv_cache", _CACHE) + _p("block_table seq_lens", _I32),
-           _p("out", _FLOATS) + _p("lse", _F32),
-           "Absorbed-MLA attention of q_per_req rows per request over the paged latent cache."),
-    OnnxOp("mla_cache_update", "MlaCacheWrite",
-           _p("kv_c k_pe", _FLOATS) + _p("cache", _CACHE) + _p("slot_mapping", _I64),
-           _p("cache_out", _CACHE),
-           "The cache with rows written at slot_mapping (negative slots skipped); in place in an engine."),
-    OnnxOp("kda_recurrent", "KdaRecurrent",
-           _p("q k v g beta", _FLOATS) + _p("state", _F32),
-           _p("o", _FLOATS) + _p("final_state all_states", _F32),
-           "Token-by-token KDA delta rule; all_states is empty unless save_all."),
-    OnnxOp("kda_chunked", "KdaChunked",
-           _p("q k v g beta", _FLOATS) + _p("state", _F32),
-           _p("o", _FLOATS) + _p("final_state", _F32),
-           "Chunked (WY) KDA delta rule for prefill."),
-    OnnxOp("short_conv", "ShortConv",
-           _p("x weight conv_state", _FLOATS),
-           _p("y new_state all_states", _FLOATS),
-           "Causal depthwise conv + SiLU over a rolling window."),
-    OnnxOp("moe_experts", "MoeExperts",
-           _p("x", _FLOATS) + _p("ids", _I64) + _p("weights", _F32) + _p("w_gate w_up w_down", _FLOATS),
-           _p("y", _FLOATS),
-           "Routed experts: sum over the chosen experts of weight * down(act(gate(x), up(x)))."),
-    OnnxOp("merge_attn_states", "MergeAttnStates",
-           _p("out_a", _FLOATS) + _p("lse_a", _F32) + _p("out_b", _FLOATS) + _p("lse_b", _F32),
-           _p("out", _FLOATS) + _p("lse", _F32),
-           "Exact LSE merge of two partial attention results."),
-)
+OPS: tuple[OnnxOp, ...] = ONNX_OPS
 BY_TORCH_NAME = {op.torch_name: op for op in OPS}
 BY_OP_TYPE = {op.op_type: op for op in OPS}
 
 
 def _ensure_torch_ops() -> None:
-    import k3trt.plugins  # noqa: F401  (registers the plugin ops)
     import k3trt.builder.export  # noqa: F401  (registers the export-only wrapper ops)
 
 
 # ------------------------------------------------------------------------------ ONNX schemas
-_registered = False
-
-
+@functools.cache
 def register_schemas() -> None:
-    """Register an ``onnx.defs.OpSchema`` per op (idempotent): onnxscript needs it to emit the
-    node, and ``onnx.checker`` to check the graph."""
-    global _registered
-    if _registered:
-        return
+    """Register an ``onnx.defs.OpSchema`` per op (once): onnxscript needs it to emit the node, and
+    ``onnx.checker`` to check the graph."""
     import onnx.defs
     from onnx.defs import OpSchema
 
@@ -158,7 +81,6 @@ def register_schemas() -> None:
                  for name, kind, default in op.attributes()]
         onnx.defs.register_schema(OpSchema(op.op_type, DOMAIN, OPSET_VERSION, op.doc, inputs=ins, outputs=outs,
                                            type_constraints=constraints, attributes=attrs))
-    _registered = True
 
 
 # ------------------------------------------------------------------------------ exporter side
@@ -194,14 +116,9 @@ def translation_table() -> dict:
 
 
 # ------------------------------------------------------------------------------ onnxruntime side
-_ort_registered = False
-
-
+@functools.cache
 def register_ort_ops() -> None:
-    """Register one onnxruntime-extensions Python op per k3trt op (fp32 activations)."""
-    global _ort_registered
-    if _ort_registered:
-        return
+    """Register one onnxruntime-extensions Python op per k3trt op (fp32 activations), once."""
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
     _ensure_torch_ops()
@@ -212,7 +129,6 @@ def register_ort_ops() -> None:
         onnx_op(op_type=op.op_type,
                 inputs=[dt[p.types[0]] for p in op.inputs], outputs=[dt[p.types[0]] for p in op.outputs],
                 attrs={name: attr_dt[kind] for name, kind, _ in op.attributes()})(_ort_body(op))
-    _ort_registered = True
 
 
 def _ort_body(op: OnnxOp) -> Callable:
@@ -319,72 +235,8 @@ def check_graph(onnx_path: str | Path, model, cfg, spec, *, native: bool = False
 
 
 # ------------------------------------------------------------------------------ native lowerings
-# Plain-torch forms of the ops that torch.export can trace into standard ONNX (static shapes, no
-# host syncs), for a backend that cannot load the plugins (TensorRT-RTX from Python, see
-# tensorrt.py). Exact in semantics, not in cost: MoE computes every expert for every token and
-# KDA's chunked form becomes the unrolled recurrence. Each is checked against its op in tests.
-def _native_mla_verify(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0, d_v=512,
-                       dcp_size=1, dcp_rank=0, dcp_interleave=1, sparse_chunk=0, sparse_sink=1,
-                       sparse_stride=1, sparse_recent=1):
-    if dcp_size != 1 or sparse_chunk:
-        raise NotImplementedError("the native mla_verify lowering covers dense attention without DCP")
-    (B, pages), (rows, H, D), page = block_table.shape, q.shape, kv_cache.shape[1]
-    Q, L = q_per_req, pages * page
-    pos = torch.arange(L, device=q.device)
-    kv = kv_cache[block_table.long()].reshape(B, L, D).float() * kv_scale
-    # rows past a request's length may hold NaN (never read by the op): zero them, mask the scores
-    kv = torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, 0.0)
-    vis = seq_lens[:, None] - (Q - 1) + torch.arange(Q, device=q.device)[None, :]          # [B, Q]
-    s = torch.einsum("bqhd,bld->bqhl", q.float().view(B, Q, H, D), kv) * softmax_scale
-    s = s.masked_fill(~(pos[None, None, :] < vis[..., None]).unsqueeze(2), float("-inf"))
-    m = s.amax(-1)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m_safe[..., None])
-    total = p.sum(-1)
-    out = torch.einsum("bqhl,bld->bqhd", p, kv[..., :d_v]) / total.clamp_min(1e-30)[..., None]
-    out = torch.where((total > 0)[..., None], out, 0.0)
-    lse = torch.where(total > 0, m_safe + torch.log(total.clamp_min(1e-30)), float("-inf"))
-    return out.reshape(rows, H, d_v).to(q.dtype), lse.reshape(rows, H)
-
-
-def native_cache_update(kv_c, k_pe, cache, slot_mapping, kv_scale=1.0):
-    """mla_cache_update without skipping by a mask: negative slots go to a spare row that is cut off."""
-    from k3trt.plugins.cache_write import FP8_MAX
-
-    rows = torch.cat([kv_c, k_pe], -1)
-    if cache.dtype == torch.float8_e4m3fn:
-        rows = (rows.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX)
-    flat = cache.reshape(-1, cache.shape[-1])
-    n = flat.shape[0]
-    spare = torch.cat([flat, flat[:1]], 0)
-    idx = torch.where(slot_mapping >= 0, slot_mapping, n)
-    return torch.index_put(spare, (idx,), rows.to(cache.dtype))[:n].reshape(cache.shape)
-
-
-def _native_moe(x, ids, weights, w_gate, w_up, w_down, activation, beta, linear_beta):
-    from k3trt.model.layers import ACTIVATIONS
-
-    combine = torch.zeros(x.shape[0], w_gate.shape[0], dtype=torch.float32, device=x.device)
-    combine = combine.scatter(1, ids, weights.float())                                       # [T, E]
-    g = torch.einsum("tw,eiw->eti", x, w_gate)
-    u = torch.einsum("tw,eiw->eti", x, w_up)
-    h = ACTIVATIONS[activation](g, u, beta or None, linear_beta or None)
-    y = torch.einsum("eti,ewi->etw", h, w_down)
-    return torch.einsum("te,etw->tw", combine, y.float()).to(x.dtype)
-
-
-def _native_kda_chunked(q, k, v, g, beta, state, scale, chunk_size=64):
-    from k3trt.plugins.kda import _kda_recurrent_torch
-
-    # no triangular solve in ONNX: the recurrence, unrolled (equal up to rounding)
-    o, final, _ = _kda_recurrent_torch(q, k, v, g, beta, state, scale, False)
-    return o, final
-
-
 def native_lowerings() -> dict[str, Callable]:
-    """torch-op name -> its export-friendly plain-torch form."""
-    from k3trt.plugins.kda import _kda_recurrent_torch, _short_conv_torch
-
-    return {"mla_verify": _native_mla_verify, "mla_cache_update": native_cache_update,
-            "kda_recurrent": _kda_recurrent_torch, "kda_chunked": _native_kda_chunked,
-            "short_conv": _short_conv_torch, "moe_experts": _native_moe}
+    """torch-op name -> its export-friendly plain-torch form (``OnnxOp.native``), for a backend that
+    cannot load the plugins (TensorRT-RTX from Python, see tensorrt.py). Each is checked against
+    its op in tests."""
+    return {op.torch_name: op.native for op in OPS if op.native is not None}

@@ -1,9 +1,8 @@
 """Triton kernel behind ``k3trt::mla_cache_write`` on CUDA (imported on the op's first CUDA call by
-the kernel that k3trt/plugins/__init__.py registers, so importing k3trt never needs triton).
+its CUDA registration in cache_write.py, so importing k3trt never needs triton).
 
-    mla_cache_write_cuda(kv_c [T, R], k_pe [T, P], cache [blocks, block_size, R+P],
-                         slot_mapping int [T], kv_scale: float) -> None      (mutates cache)
-    mla_cache_write_fwd(...same...) -> None                                    (the launcher)
+    mla_cache_write_fwd(kv_c [T, R], k_pe [T, P], cache [blocks, block_size, R+P],
+                        slot_mapping int [T], kv_scale: float) -> None      (mutates cache)
 
 Row t of [kv_c | k_pe] goes to flat cache row slot_mapping[t]; a negative slot (padding) is
 skipped, and so is a slot past the cache (the op's torch body raises IndexError there, but a
@@ -15,16 +14,11 @@ latent projection's output sliced in two). No host synchronisation, no allocatio
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
-from .cache_write import FP8_MAX, mla_cache_write_reference
-
-log = logging.getLogger(__name__)
+from .cache_write_ref import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
 BLOCK_COLS = 128     # columns per program: K3's 576-wide row is 5 programs (the last one partly masked)
@@ -71,40 +65,3 @@ def mla_cache_write_fwd(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Ten
         kv_c.stride(0), kv_c.stride(1), k_pe.stride(0), k_pe.stride(1),
         R=R, P=P, BLOCK=BLOCK_COLS, FP8_OUT=fp8, FP8_LIMIT=float(FP8_MAX), num_warps=4,
     )
-
-
-def kernel_unsupported(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> str | None:
-    """Why the kernel cannot take this call (None when it can). Shapes and dtypes only."""
-    if kv_c.dim() != 2 or k_pe.dim() != 2 or kv_c.shape[0] != k_pe.shape[0] or cache.dim() != 3 \
-            or slot_mapping.shape != kv_c.shape[:1]:
-        return (f"shapes kv_c {tuple(kv_c.shape)}, k_pe {tuple(k_pe.shape)}, cache {tuple(cache.shape)}, "
-                f"slot_mapping {tuple(slot_mapping.shape)}")
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    if kv_c.dtype not in floats or k_pe.dtype not in floats or cache.dtype not in (*floats, FP8):
-        return f"dtypes kv_c {kv_c.dtype}, k_pe {k_pe.dtype}, cache {cache.dtype}"
-    if slot_mapping.dtype not in (torch.int64, torch.int32):
-        return f"slot_mapping dtype {slot_mapping.dtype}"
-    if not cache.is_contiguous():
-        return "non-contiguous cache"
-    return None
-
-
-def mla_cache_write_cuda(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, kv_scale: float) -> None:
-    """The op's CUDA kernel: the checks that need no sync, then the Triton kernel (or the torch
-    body, with a warning once, for what the kernel does not cover)."""
-    if kv_c.shape[-1] + k_pe.shape[-1] != cache.shape[-1]:
-        raise ValueError(f"mla_cache_write: kv_c width {kv_c.shape[-1]} + k_pe width {k_pe.shape[-1]} "
-                         f"!= cache row width {cache.shape[-1]}")
-    reason = kernel_unsupported(kv_c, k_pe, cache, slot_mapping)
-    if reason:
-        _log_fallback(reason)
-        mla_cache_write_reference(kv_c, k_pe, cache, slot_mapping, kv_scale)
-        return
-    mla_cache_write_fwd(kv_c, k_pe, cache, slot_mapping, kv_scale)
-
-
-@functools.lru_cache(maxsize=64)
-def _log_fallback(reason: str) -> None:
-    log.warning("mla_cache_write: Triton kernel does not cover %s; using the torch reference", reason)

@@ -3,14 +3,13 @@ CUDA kernel in kda.py, so importing k3trt never needs triton.
 
     kda_chunked_fwd(q, k, v, g, beta, state, scale, chunk_size, *, block_v=None, out=None)
         -> (o, final_state)
-    kda_chunked_cuda(q, k, v, g, beta, state, scale, chunk_size=64) -> (o, final_state)
 
 Layouts are the op's (kda.py module doc): q, k, g [B, T, H, dk], v [B, T, H, dv], beta [B, T, H],
 state [B, H, dk, dv], or the same without B; every input may have any strides and any float
 dtype; o is contiguous in v's dtype, final_state contiguous fp32. The launcher does no host
 synchronisation and allocates only its two outputs, so it can be captured in a CUDA graph (compile
-it with one eager call first). ``kda_chunked_cuda`` is the op's CUDA kernel: it takes the Triton
-path when it can (``kernel_unsupported``) and otherwise the torch body, with one warning per reason.
+it with one eager call first). The op's CUDA registration (kda.py) calls it where
+``kda_ref.kda_chunked_unsupported`` allows, and the torch body otherwise.
 
 Chunk. The kernel always works in chunks of BT = 16 tokens, whatever ``chunk_size`` says (it is
 validated, and only changes rounding in the torch body). Per token the chunked form costs the same
@@ -26,7 +25,7 @@ e^{G_t} (chunk start to t) is a cumsum, e^{G_end - G_i} a reverse cumsum of g sh
 and the pairwise spans sum_{i<j<=t} g_j, per channel, are accumulated column by column (i from the
 end of the chunk down) by adding g_i to the rows below it.
 
-Per chunk, with S the state before it (the torch body's algebra, kda.py):
+Per chunk, with S the state before it (the torch body's algebra, kda_ref.py):
     A_ti = sum_c k_t k_i e^{span}, i < t;  M_ti = sum_c q_t k_i e^{span}, i <= t     [16, 16]
     Tm = (I + diag(b) A)^-1 diag(b)   (column by column from the last, as A's columns are formed)
     d = Tm V - Tm (K e^G) S;   o = scale ((Q e^G) S + M d);
@@ -59,18 +58,13 @@ recompute for SMs.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
-from .kda import _check_kda, _kda_chunked_torch
+from .kda_ref import check_kda
 
-__all__ = ["kda_chunked_fwd", "kda_chunked_cuda", "kernel_unsupported", "pick_block_v"]
-
-log = logging.getLogger(__name__)
+__all__ = ["kda_chunked_fwd", "pick_block_v"]
 
 CHUNK = 16                    # tokens per chunk inside the kernel (module doc: why 16)
 # tl.dot's input precision for the fp32 operands. "ieee" is exact fp32 on the CUDA cores; "tf32x3"
@@ -80,7 +74,6 @@ DOT_PRECISION = "ieee"
 # registers for the [16, dk] tiles of q, k, g, the spans and the decays (dk = 128: 8 each at 8 warps).
 STATE_REGS_PER_THREAD = 32
 MAX_WARPS = 8
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -180,41 +173,6 @@ def _warps(dk: int, bv: int) -> int:
     return max(4, min(MAX_WARPS, dk * bv // (32 * STATE_REGS_PER_THREAD)))
 
 
-def kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor) -> str | None:
-    """Why the Triton kernel cannot take this call (None when it can). Shapes, dtypes and devices only."""
-    dk, dv = q.shape[-1], v.shape[-1]
-    if not (_pow2(dk) and _pow2(dv)):
-        return f"dk={dk}, dv={dv} (need powers of two in [16, 256])"
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
-    odd = [f"{n} {t.dtype}" for n, t in tensors.items() if t.dtype not in _FLOATS]
-    if odd:
-        return f"dtypes {', '.join(odd)} (need fp32, bf16 or fp16)"
-    if any(t.device.type != "cuda" for t in tensors.values()):
-        return "tensors not on CUDA"
-    return None
-
-
-def _pow2(x: int) -> bool:
-    return 16 <= x <= 256 and x & (x - 1) == 0
-
-
-@functools.lru_cache(maxsize=64)
-def _log_fallback(reason: str) -> None:
-    log.warning("kda_chunked: Triton kernel does not cover %s; using the torch reference", reason)
-
-
-def kda_chunked_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, scale: float, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k3trt::kda_chunked`` on CUDA: the Triton kernel, or the torch body where it does not apply."""
-    _check_kda(q, k, v, g, beta, state)
-    reason = kernel_unsupported(q, k, v, g, beta, state)
-    if reason:
-        _log_fallback(reason)
-        return _kda_chunked_torch(q, k, v, g, beta, state, scale, chunk_size)
-    return kda_chunked_fwd(q, k, v, g, beta, state, scale, chunk_size)
-
-
 def kda_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, scale: float, chunk_size: int = 64, *, block_v: int | None = None,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +180,7 @@ def kda_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     ``block_v`` overrides the column block; ``out`` = (o, final_state) gives contiguous output
     buffers of the right shapes and dtypes to write instead of allocating (tests fill them with NaN
     to check that every element is written)."""
-    _check_kda(q, k, v, g, beta, state)
+    check_kda(q, k, v, g, beta, state)
     if chunk_size < 1:
         raise ValueError(f"kda_chunked: chunk_size must be >= 1, got {chunk_size}")
     single = q.dim() == 3

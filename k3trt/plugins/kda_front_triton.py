@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kda_front import L2_EPS
+from .kda_front_ref import L2_EPS
 
 # Fewer programs than this leave an H200's 132 SMs mostly idle (B = 1 decode), so the blocks shrink.
 MIN_PROGRAMS = 512

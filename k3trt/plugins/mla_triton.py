@@ -215,7 +215,7 @@ def mla_verify_fwd(plan: VerifyPlan, q, kv_cache, block_table, seq_lens, q_per_r
                    kv_scale=1.0, d_v=512, dcp_size=1, dcp_rank=0, dcp_interleave=1,
                    sparse_chunk=0, sparse_sink=1, sparse_stride=1, sparse_recent=1, *,
                    out=None, lse=None, poison_scratch=False):
-    """Launch per `plan` (callers check support first: mla_verify.kernel_unsupported).
+    """Launch per `plan` (callers check support first: mla_verify_ref.mla_verify_unsupported).
     Tests pass NaN-filled `out` / `lse` and `poison_scratch` to prove every element is written
     and no unwritten partial is read."""
     batch, heads, width = block_table.shape[0], q.shape[1], q.shape[2]
@@ -250,7 +250,8 @@ def mla_verify_fwd(plan: VerifyPlan, q, kv_cache, block_table, seq_lens, q_per_r
 
 
 def merge_two(out_a, lse_a, out_b, lse_b):
-    """One-pass LSE merge of two partials ([T, H, d_v] + [T, H])."""
+    """One-pass LSE merge of two partials ([T, H, d_v] contiguous + [T, H] of any float dtype)."""
+    lse_a, lse_b = lse_a.float().contiguous(), lse_b.float().contiguous()
     d_v = out_a.shape[-1]
     rows = lse_a.numel()
     out = torch.empty_like(out_a)

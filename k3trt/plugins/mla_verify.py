@@ -24,7 +24,7 @@ row sees; a row that sees none gets out = 0, lse = -inf (so ``merge_attn_states`
 DCP (``dcp_size`` D > 1): the cache holds only rank ``dcp_rank``'s tokens (token t on rank
 ``(t // I) % D``, dense in local order, see dcp.py) and row j sees the local length of its global
 visible length; merging the D ranks' (out, lse) gives the unsharded result. q-rep needs nothing
-from this op (dcp.py says what changes around it).
+from this op (dcp_sim.py says what changes around it).
 
 Dynamic sparse policy (opt-in: ``sparse_chunk`` > 0; 0 = dense, the default). The request's
 local tokens are cut into chunks of ``sparse_chunk``; with n chunks (from the request's full local
@@ -32,11 +32,14 @@ length, so all Q rows share one selection) chunk c is kept when c < sparse_sink,
 c >= n - sparse_recent, or (c - sparse_sink) % sparse_stride == 0; rows stay causal within the kept
 tokens. sparse_stride = 1 keeps every chunk and equals dense attention exactly.
 
-Backends. The plain-torch reference (fp32 accumulation; CPU or GPU, syncs on seq_lens) is the
-oracle. On CUDA a Triton kernel runs when the case is supported: q bf16/fp16, d_v and D - d_v
+Backends. The plain-torch reference (mla_verify_ref.py; fp32 accumulation; CPU or GPU, syncs on
+seq_lens) is the oracle. On CUDA a Triton kernel runs when the case is supported: q bf16/fp16, d_v and D - d_v
 powers of two >= 16, contiguous inputs; anything else falls back to the reference. K3's own
 shapes (q bf16, D 576, d_v 512, page 64, no DCP or sparse policy) take the SM90 CUDA kernel of
 mla_cuda/ wherever it builds (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton overrides).
+
+Export: the ONNX node ``MlaVerify`` (``ONNX`` below, with a standard-ONNX lowering for dense
+attention without DCP) and its TensorRT plugin (mla_verify_trt.py).
 """
 
 from __future__ import annotations
@@ -47,70 +50,15 @@ import os
 
 import torch
 
-from .dcp import local_len
+from . import dispatch
+from .mla_verify_ref import (FP8, check_mla_verify, gather_pages, mla_verify_ref, mla_verify_unsupported,
+                             sparse_keep, visible_lengths)
+from .onnx_spec import CACHE, F32, FLOATS, I32, OnnxOp, params
+from .plans import make_plan
+
+__all__ = ["mla_verify", "mla_verify_ref", "gather_pages", "sparse_keep", "visible_lengths", "KERNEL_ENV", "ONNX"]
 
 log = logging.getLogger(__name__)
-
-FP8 = torch.float8_e4m3fn
-
-
-def visible_lengths(seq_len: int, q_per_req: int, dcp_size: int = 1, dcp_rank: int = 0,
-                    dcp_interleave: int = 1) -> list[int]:
-    """Local visible length of each of a request's Q rows (spec test vector:
-    L=17, Q=4, D=4, r=3, I=2 → [2, 3, 4, 4])."""
-    return [local_len(max(seq_len - (q_per_req - 1 - j), 0), dcp_size, dcp_rank, dcp_interleave)
-            for j in range(q_per_req)]
-
-
-def sparse_keep(n_tokens: int, chunk: int, sink: int, stride: int, recent: int) -> torch.Tensor:
-    """Bool [n_tokens]: which local tokens the sparse policy keeps (all when chunk == 0)."""
-    if chunk <= 0:
-        return torch.ones(n_tokens, dtype=torch.bool)
-    c = torch.arange(n_tokens) // chunk
-    n_chunks = -(-n_tokens // chunk)
-    return (c < sink) | (c >= n_chunks - recent) | ((c - sink) % stride == 0)
-
-
-def mla_verify_ref(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0,
-                   d_v=512, dcp_size=1, dcp_rank=0, dcp_interleave=1, sparse_chunk=0,
-                   sparse_sink=1, sparse_stride=1, sparse_recent=1):
-    """The oracle: per request, gather the visible cache, softmax in fp32."""
-    rows, heads, _ = q.shape
-    page = kv_cache.shape[1]
-    out = torch.zeros(rows, heads, d_v, dtype=torch.float32, device=q.device)
-    lse = torch.full((rows, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    for b, length in enumerate(seq_lens.tolist()):
-        vis = visible_lengths(length, q_per_req, dcp_size, dcp_rank, dcp_interleave)
-        n = max(vis)
-        if n == 0:
-            continue
-        pages = block_table[b, : -(-n // page)].long()
-        if pages.numel() * page < n:
-            raise ValueError(f"mla_verify: request {b} needs {n} cache tokens but its block-table "
-                             f"row holds {block_table.shape[1]} pages of {page}")
-        kv = gather_pages(kv_cache, pages).reshape(-1, kv_cache.shape[2])[:n].float() * kv_scale
-        lo = b * q_per_req
-        s = torch.einsum("jhd,nd->jhn", q[lo:lo + q_per_req].float(), kv) * softmax_scale
-        pos = torch.arange(n, device=q.device)
-        mask = pos[None, :] < torch.tensor(vis, device=q.device)[:, None]
-        mask &= sparse_keep(n, sparse_chunk, sparse_sink, sparse_stride, sparse_recent).to(q.device)
-        s = s.masked_fill(~mask[:, None, :], float("-inf"))
-        m = s.amax(-1)
-        m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-        p = torch.exp(s - m_safe[..., None])
-        total = p.sum(-1)
-        o = torch.einsum("jhn,nd->jhd", p, kv[:, :d_v])
-        seen = (total > 0)[..., None]
-        out[lo:lo + q_per_req] = torch.where(seen, o / total.clamp_min(1e-30)[..., None], 0.0)
-        lse[lo:lo + q_per_req] = torch.where(total > 0, m_safe + torch.log(total), float("-inf"))
-    return out.to(q.dtype), lse
-
-
-def gather_pages(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """kv_cache[pages], through a byte view for fp8 (not every backend indexes fp8 directly)."""
-    if kv_cache.element_size() == 1:
-        return kv_cache.view(torch.uint8)[pages].view(kv_cache.dtype)
-    return kv_cache[pages]
 
 
 @torch.library.custom_op("k3trt::mla_verify", mutates_args=())
@@ -119,8 +67,8 @@ def mla_verify(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                kv_scale: float = 1.0, d_v: int = 512, dcp_size: int = 1, dcp_rank: int = 0,
                dcp_interleave: int = 1, sparse_chunk: int = 0, sparse_sink: int = 1,
                sparse_stride: int = 1, sparse_recent: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, kv_cache, block_table, seq_lens, q_per_req, d_v, dcp_size, dcp_rank, dcp_interleave,
-           sparse_stride)
+    check_mla_verify(q, kv_cache, block_table, seq_lens, q_per_req, d_v, dcp_size, dcp_rank, dcp_interleave,
+                     sparse_stride)
     return mla_verify_ref(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale,
                           d_v, dcp_size, dcp_rank, dcp_interleave, sparse_chunk, sparse_sink,
                           sparse_stride, sparse_recent)
@@ -132,20 +80,16 @@ def _mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scal
                      sparse_sink=1, sparse_stride=1, sparse_recent=1):
     args = (q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale, d_v, dcp_size,
             dcp_rank, dcp_interleave, sparse_chunk, sparse_sink, sparse_stride, sparse_recent)
-    _check(q, kv_cache, block_table, seq_lens, q_per_req, d_v, dcp_size, dcp_rank, dcp_interleave,
-           sparse_stride)
-    reason = kernel_unsupported(q, kv_cache, block_table, seq_lens, d_v)
-    if reason:
-        _log_fallback(reason)
+    check_mla_verify(q, kv_cache, block_table, seq_lens, q_per_req, d_v, dcp_size, dcp_rank, dcp_interleave,
+                     sparse_stride)
+    if dispatch.falls_back("mla_verify", mla_verify_unsupported(q, kv_cache, block_table, seq_lens, d_v)):
         return mla_verify_ref(*args)
     if dcp_size == 1 and sparse_chunk == 0 and _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, d_v):
-        from .mla_cuda import mla_verify_cuda
-        return mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale, d_v)
-    from . import mla_triton  # lazy: triton is imported only on the CUDA path
-
+        return dispatch.kernel_module("mla_cuda").mla_verify_cuda(q, kv_cache, block_table, seq_lens, q_per_req,
+                                                                  softmax_scale, kv_scale, d_v)
     plan = plan_for(q.shape[0] // q_per_req, q_per_req, q.shape[1], q.shape[2], d_v,
                     kv_cache.dtype == FP8, q.device.index or 0)
-    return mla_triton.mla_verify_fwd(plan, *args)
+    return dispatch.kernel_module("mla_triton").mla_verify_fwd(plan, *args)
 
 
 @mla_verify.register_fake
@@ -158,20 +102,18 @@ def _mla_verify_fake(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scal
 
 @functools.lru_cache(maxsize=256)
 def plan_for(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8, device_index):
-    from .plans import make_plan
-
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return make_plan(capacity, q_per_req, num_heads, d_qk, d_v, kv_fp8=kv_fp8, num_sms=sms)
 
 
-# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda ("cuda" is now the
-# same as "auto", kept so that existing settings stay valid). "auto" takes the
-# SM90 CUDA kernel (mla_cuda/) wherever it runs: on the H200 it was faster than the Triton kernel in
-# 69 of 72 cells (heads 12/48/96, batch 1/8/32/128, context 1K/8K/32K, bf16/fp8; mla_cuda_h200.json
-# run 10), e.g. 0.77-1.00 of the roofline vs 0.44-0.48 at 12 heads and batch >= 32, and at batch 1
-# 28 vs 39 us (12 heads, 32K) or 68 vs 147 us (96 heads, 32K). The three: bf16, 1K context, batch
-# 1-8, where Triton's split-d_v config is 1.5-1.8 us faster. A captured graph replays one kernel
-# at every length, so the choice cannot follow the context.
+# Which kernel a CUDA call takes: K3TRT_MLA_KERNEL=auto (default) | triton | cuda ("cuda" means the
+# same as "auto"). "auto" takes the SM90 CUDA kernel (mla_cuda/) wherever it runs: on the H200 it
+# was faster than the Triton kernel in 69 of 72 cells (heads 12/48/96, batch 1/8/32/128, context
+# 1K/8K/32K, bf16/fp8; benchmarks/results/mla_cuda_h200.json), e.g. 0.77-1.00 of the roofline vs
+# 0.44-0.48 at 12 heads and batch >= 32, and at batch 1 28 vs 39 us (12 heads, 32K) or 68 vs 147 us
+# (96 heads, 32K). The three: bf16, 1K context, batch 1-8, where Triton's split-d_v config is
+# 1.5-1.8 us faster. A captured graph replays one kernel at every length, so the choice cannot
+# follow the context.
 KERNEL_ENV = "K3TRT_MLA_KERNEL"
 
 
@@ -181,16 +123,15 @@ def _sm90_kernel_takes(q, kv_cache, block_table, seq_lens, d_v) -> bool:
         raise ValueError(f"{KERNEL_ENV}={choice!r}: choose auto, triton or cuda")
     if choice == "triton":
         return False
-    from . import mla_cuda
+    mla_cuda = dispatch.kernel_module("mla_cuda")
     return mla_cuda.unsupported(q, kv_cache, block_table, seq_lens, d_v) is None and _sm90_builds()
 
 
 @functools.lru_cache(maxsize=1)
 def _sm90_builds() -> bool:
     """Whether the CUDA extension builds here (nvcc and ninja at run time); logged once if not."""
-    from . import mla_cuda
     try:
-        mla_cuda.load_extension()
+        dispatch.kernel_module("mla_cuda").load_extension()
         return True
     except Exception as e:      # no nvcc, a compiler error: the Triton kernel serves every call
         log.warning("mla_verify: the SM90 CUDA kernel did not build (%s: %s); using the Triton kernel",
@@ -198,48 +139,37 @@ def _sm90_builds() -> bool:
         return False
 
 
-def kernel_unsupported(q, kv_cache, block_table, seq_lens, d_v) -> str | None:
-    """Why the Triton kernel cannot take this call (None when it can)."""
-    rope = q.shape[2] - d_v
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"q dtype {q.dtype}"
-    if kv_cache.dtype not in (q.dtype, FP8):
-        return f"kv dtype {kv_cache.dtype} with q {q.dtype}"
-    if not (_pow2(d_v) and _pow2(rope)):
-        return f"d_v={d_v}, rope={rope} (need powers of two >= 16)"
-    if not all(t.is_contiguous() for t in (q, kv_cache, block_table, seq_lens)):
-        return "non-contiguous input"
-    return None
+# ----------------------------------------------------------------------------- export
+# The plain-torch form that torch.export traces into standard ONNX (static shapes, no host syncs)
+# for a backend that cannot load the plugin: exact in semantics, not in cost.
+def native_mla_verify(q, kv_cache, block_table, seq_lens, q_per_req, softmax_scale, kv_scale=1.0, d_v=512,
+                      dcp_size=1, dcp_rank=0, dcp_interleave=1, sparse_chunk=0, sparse_sink=1,
+                      sparse_stride=1, sparse_recent=1):
+    if dcp_size != 1 or sparse_chunk:
+        raise NotImplementedError("the native mla_verify lowering covers dense attention without DCP")
+    (B, pages), (rows, H, D), page = block_table.shape, q.shape, kv_cache.shape[1]
+    Q, L = q_per_req, pages * page
+    pos = torch.arange(L, device=q.device)
+    kv = kv_cache[block_table.long()].reshape(B, L, D).float() * kv_scale
+    # rows past a request's length may hold NaN (never read by the op): zero them, mask the scores
+    kv = torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, 0.0)
+    vis = seq_lens[:, None] - (Q - 1) + torch.arange(Q, device=q.device)[None, :]          # [B, Q]
+    s = torch.einsum("bqhd,bld->bqhl", q.float().view(B, Q, H, D), kv) * softmax_scale
+    s = s.masked_fill(~(pos[None, None, :] < vis[..., None]).unsqueeze(2), float("-inf"))
+    m = s.amax(-1)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe[..., None])
+    total = p.sum(-1)
+    out = torch.einsum("bqhl,bld->bqhd", p, kv[..., :d_v]) / total.clamp_min(1e-30)[..., None]
+    out = torch.where((total > 0)[..., None], out, 0.0)
+    lse = torch.where(total > 0, m_safe + torch.log(total.clamp_min(1e-30)), float("-inf"))
+    return out.reshape(rows, H, d_v).to(q.dtype), lse.reshape(rows, H)
 
 
-def _pow2(x: int) -> bool:
-    return x >= 16 and x & (x - 1) == 0
-
-
-@functools.lru_cache(maxsize=64)
-def _log_fallback(reason: str) -> None:
-    log.warning("mla_verify: Triton kernel does not cover %s; using the torch reference", reason)
-
-
-def _check(q, kv_cache, block_table, seq_lens, q_per_req, d_v, dcp_size, dcp_rank, dcp_interleave,
-           sparse_stride) -> None:
-    if q.dim() != 3 or kv_cache.dim() != 3:
-        raise ValueError(f"mla_verify: q must be [B*Q, H, D] and kv_cache [blocks, page, D]; got "
-                         f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
-    if kv_cache.shape[2] != q.shape[2] or not 0 < d_v <= q.shape[2]:
-        raise ValueError(f"mla_verify: q width {q.shape[2]}, cache width {kv_cache.shape[2]}, "
-                         f"d_v {d_v}: need equal widths and 0 < d_v <= width")
-    if kv_cache.shape[1] % 16:
-        raise ValueError(f"mla_verify: page size {kv_cache.shape[1]} is not a multiple of 16")
-    if kv_cache.dtype not in (q.dtype, FP8):
-        raise ValueError(f"mla_verify: kv_cache dtype {kv_cache.dtype} must be q's ({q.dtype}) "
-                         "or float8_e4m3fn")
-    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("mla_verify: block_table and seq_lens must be int32")
-    batch = block_table.shape[0]
-    if q_per_req < 1 or q.shape[0] != batch * q_per_req or seq_lens.shape != (batch,):
-        raise ValueError(f"mla_verify: {q.shape[0]} query rows, {batch} block-table rows, "
-                         f"seq_lens {tuple(seq_lens.shape)}, q_per_req {q_per_req} disagree")
-    if dcp_size < 1 or not 0 <= dcp_rank < dcp_size or dcp_interleave < 1 or sparse_stride < 1:
-        raise ValueError(f"mla_verify: bad DCP ({dcp_size}, {dcp_rank}, {dcp_interleave}) or "
-                         f"sparse stride {sparse_stride}")
+ONNX = (
+    OnnxOp("mla_verify", "MlaVerify",
+           params("q", FLOATS) + params("kv_cache", CACHE) + params("block_table seq_lens", I32),
+           params("out", FLOATS) + params("lse", F32),
+           "Absorbed-MLA attention of q_per_req rows per request over the paged latent cache.",
+           native=native_mla_verify),
+)

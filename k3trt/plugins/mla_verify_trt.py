@@ -1,6 +1,7 @@
-"""TensorRT side of ``k3trt::mla_verify``: a quickly deployable plugin (``tensorrt.plugin``,
-TensorRT >= 10.8) whose ahead-of-time implementation hands TensorRT the Triton kernel's PTX, so a
-built engine runs the kernel without Python.
+"""TensorRT side of ``k3trt::mla_verify`` (the op: mla_verify.py; its ONNX node: mla_verify.ONNX;
+builder/tensorrt.py imports ``k3trt.plugins.<op>_trt`` for each plugin node of a graph): a quickly
+deployable plugin (``tensorrt.plugin``, TensorRT >= 10.8) whose ahead-of-time implementation hands
+TensorRT the Triton kernel's PTX, so a built engine runs the kernel without Python.
 
 NOT RUN HERE. ``tensorrt`` cannot be installed in this workplace (shared/ENVIRONMENT.md) and no
 TensorRT engine can run on its GPU; this module is written to the documented ``tensorrt.plugin``
@@ -29,7 +30,10 @@ machine with TensorRT: an engine with this plugin against the torch op on random
 from __future__ import annotations
 
 import logging
+import math
 import re
+
+from .plans import make_plan
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +51,11 @@ def compile_ptx(q_type: str, kv_type: str, *, num_heads: int, width: int, page: 
 
     q_type / kv_type are TensorRT type names ("BF16", "FP16", "FP8"). Returns (kernel name, PTX
     text, num_warps, shared bytes, plan) where plan (plans.VerifyPlan) fixes the grid."""
-    import math
-
+    # triton (and the kernel module, which imports it) only when a TensorRT build asks for PTX
     import triton
     from triton.backends.compiler import GPUTarget
 
     from . import mla_triton
-    from .plans import make_plan
 
     # without a static batch, assume a full GPU's worth of requests (the large-batch tiles)
     plan = make_plan(capacity or 1024, q_per_req, num_heads, width, d_v, kv_fp8=kv_type == "FP8",

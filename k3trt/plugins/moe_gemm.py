@@ -15,52 +15,27 @@ reading its weights once; torch's grouped GEMM (CUTLASS, 128-row tiles) reads th
 the copy bandwidth there on the H200. The Triton kernel (moe_gemm_triton.py) tiles N and streams
 K, one program per (N tile, expert), with row tiles sized to the step's mean rows per expert;
 experts without rows return at once. Larger batches keep torch's kernel (``use_kernel``).
+
+For export, the MoE's routed experts are one functional node, ``k3trt::moe_experts`` (an
+export-only op of builder/export.py); its ONNX description and plain-torch lowering are here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import dispatch
+from .moe_gemm_ref import check_moe_gemm, moe_gemm_reference, pairs
+from .norm_act_ref import ACTIVATIONS
+from .onnx_spec import F32, FLOATS, I64, OnnxOp, params
 
-def moe_gemm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src_rows: torch.Tensor | None = None,
-                       dst_rows: torch.Tensor | None = None, out_rows: int = -1) -> torch.Tensor:
-    """Per-expert matmuls in fp32, rounded to x's dtype; rows no pair writes are zero."""
-    P = pairs(x, src_rows)
-    y = x.new_zeros(out_rows if out_rows >= 0 else P, w.shape[1])
-    src = src_rows if src_rows is not None else torch.arange(P, device=x.device)
-    dst = dst_rows if dst_rows is not None else torch.arange(P, device=x.device)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            y[dst[start:end]] = (x[src[start:end]].float() @ w[e].float().t()).to(x.dtype)
-        start = end
-    return y
-
-
-def pairs(x: torch.Tensor, src_rows: torch.Tensor | None) -> int:
-    return src_rows.shape[0] if src_rows is not None else x.shape[0]
-
-
-def check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src_rows: torch.Tensor | None = None,
-          dst_rows: torch.Tensor | None = None) -> None:
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"moe_gemm: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit [P, K], [E, N, K]")
-    for name, rows in (("src_rows", src_rows), ("dst_rows", dst_rows)):
-        if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
-            raise ValueError(f"moe_gemm: {name} must be int64 [P], got {rows.dtype} {tuple(rows.shape)}")
-    if src_rows is not None and dst_rows is not None and src_rows.shape != dst_rows.shape:
-        raise ValueError(f"moe_gemm: src_rows {tuple(src_rows.shape)} and dst_rows {tuple(dst_rows.shape)} differ")
-    if offs.shape != (w.shape[0],) or offs.dtype != torch.int32:
-        raise ValueError(f"moe_gemm: offs must be int32 [{w.shape[0]}] (one group end per expert), "
-                         f"got {offs.dtype} {tuple(offs.shape)}")
-    if x.dtype != w.dtype:
-        raise ValueError(f"moe_gemm: x is {x.dtype} but w is {w.dtype}")
+__all__ = ["moe_gemm", "moe_gemm_reference", "use_kernel", "MAX_PAIRS_PER_EXPERT", "ONNX"]
 
 
 @torch.library.custom_op("k3trt::moe_gemm", mutates_args=())
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, src_rows: torch.Tensor | None = None,
              dst_rows: torch.Tensor | None = None, out_rows: int = -1) -> torch.Tensor:
-    check(x, w, offs, src_rows, dst_rows)
+    check_moe_gemm(x, w, offs, src_rows, dst_rows)
     return moe_gemm_reference(x, w, offs, src_rows, dst_rows, out_rows)
 
 
@@ -71,20 +46,42 @@ def _(x, w, offs, src_rows=None, dst_rows=None, out_rows=-1):
 
 @moe_gemm.register_kernel("cuda")
 def _moe_gemm_cuda(x, w, offs, src_rows=None, dst_rows=None, out_rows=-1):
-    check(x, w, offs, src_rows, dst_rows)
-    from k3trt.plugins import moe_gemm_triton
-
-    return moe_gemm_triton.moe_gemm_fwd(x, w, offs, src_rows, dst_rows, out_rows)
+    check_moe_gemm(x, w, offs, src_rows, dst_rows)
+    # no fallback: the kernel covers every call that passes the check (use_kernel picks the calls)
+    return dispatch.call("moe_gemm", None, "moe_gemm_triton.moe_gemm_fwd", moe_gemm_reference,
+                         x, w, offs, src_rows, dst_rows, out_rows)
 
 
 # Up to this many (token, choice) pairs per expert on average the Triton kernel runs; above it
 # torch's grouped GEMM. On the H200 at K3's expert sizes (benchmarks/moe_gemm.py,
 # results/moe_gemm_h200.json) the configs of moe_gemm_triton.CONFIGS take 0.63-0.82x torch's time
 # for one MoE layer's two GEMMs from 1 to 128 tokens (0.5 to 64 pairs per expert); at 512 tokens
-# (an earlier sweep, BM <= 64: results/moe_gemm_h200_first.json) torch's was 2x faster.
+# (a sweep with BM <= 64: results/moe_gemm_h200_first.json) torch's was 2x faster.
 MAX_PAIRS_PER_EXPERT = 64
 
 
 def use_kernel(pairs: int, experts: int, x: torch.Tensor) -> bool:
     """Whether Experts should call this op for a step of `pairs` (token, choice) pairs."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and pairs <= MAX_PAIRS_PER_EXPERT * experts
+
+
+# ----------------------------------------------------------------------------- export
+def native_moe_experts(x, ids, weights, w_gate, w_up, w_down, activation, beta, linear_beta):
+    """moe_experts for standard ONNX: every expert for every token, weighted by a dense [T, E]
+    combine matrix (exact in semantics, not in cost)."""
+    combine = torch.zeros(x.shape[0], w_gate.shape[0], dtype=torch.float32, device=x.device)
+    combine = combine.scatter(1, ids, weights.float())                                       # [T, E]
+    g = torch.einsum("tw,eiw->eti", x, w_gate)
+    u = torch.einsum("tw,eiw->eti", x, w_up)
+    h = ACTIVATIONS[activation](g, u, beta or None, linear_beta or None)
+    y = torch.einsum("eti,ewi->etw", h, w_down)
+    return torch.einsum("te,etw->tw", combine, y.float()).to(x.dtype)
+
+
+ONNX = (
+    OnnxOp("moe_experts", "MoeExperts",
+           params("x", FLOATS) + params("ids", I64) + params("weights", F32) + params("w_gate w_up w_down", FLOATS),
+           params("y", FLOATS),
+           "Routed experts: sum over the chosen experts of weight * down(act(gate(x), up(x))).",
+           native=native_moe_experts),
+)

@@ -21,43 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from . import dispatch
+from .moe_route_ref import check_moe_combine, check_moe_route, moe_combine_reference, moe_route_reference
 
-def moe_route_reference(logits: torch.Tensor, bias: torch.Tensor | None, k: int, sigmoid: bool,
-                        renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.sigmoid(logits) if sigmoid else logits.softmax(-1)
-    choice = scores + bias if bias is not None else scores
-    ids = choice.topk(k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-    return ids, weights * scale
-
-
-def moe_combine_reference(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_local: int) -> torch.Tensor:
-    T, k = ids.shape
-    yk = torch.where((ids < num_local)[..., None], y.view(T, k, -1).float(), 0.0)
-    return (yk * weights.float()[..., None]).sum(1).to(y.dtype)
-
-
-def _check_route(logits, bias, k):
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"moe_route: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
-    if bias is not None and bias.shape != (logits.shape[1],):
-        raise ValueError(f"moe_route: bias {tuple(bias.shape)} does not fit {logits.shape[1]} experts")
-    if not 1 <= k <= logits.shape[1]:
-        raise ValueError(f"moe_route: k={k} outside [1, {logits.shape[1]}]")
-
-
-def _check_combine(y, ids, weights):
-    if ids.dim() != 2 or weights.shape != ids.shape or y.dim() != 2 or y.shape[0] != ids.numel():
-        raise ValueError(f"moe_combine: y {tuple(y.shape)}, ids {tuple(ids.shape)} and weights "
-                         f"{tuple(weights.shape)} do not fit [T·k, W], [T, k], [T, k]")
+__all__ = ["moe_route", "moe_combine", "moe_route_reference", "moe_combine_reference"]
 
 
 @torch.library.custom_op("k3trt::moe_route", mutates_args=())
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, sigmoid: bool, renormalize: bool,
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_route(logits, bias, k)
+    check_moe_route(logits, bias, k)
     return moe_route_reference(logits, bias, k, sigmoid, renormalize, scale)
 
 
@@ -69,15 +42,15 @@ def _(logits, bias, k, sigmoid, renormalize, scale):
 
 @moe_route.register_kernel("cuda")
 def _moe_route_cuda(logits, bias, k, sigmoid, renormalize, scale):
-    _check_route(logits, bias, k)
-    from k3trt.plugins import moe_route_triton
-
-    return moe_route_triton.moe_route_fwd(logits, bias, k, sigmoid, renormalize, scale)
+    check_moe_route(logits, bias, k)
+    # no fallback: the kernel covers every call that passes the check
+    return dispatch.call("moe_route", None, "moe_route_triton.moe_route_fwd", moe_route_reference,
+                         logits, bias, k, sigmoid, renormalize, scale)
 
 
 @torch.library.custom_op("k3trt::moe_combine", mutates_args=())
 def moe_combine(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_local: int) -> torch.Tensor:
-    _check_combine(y, ids, weights)
+    check_moe_combine(y, ids, weights)
     return moe_combine_reference(y, ids, weights, num_local)
 
 
@@ -88,7 +61,6 @@ def _(y, ids, weights, num_local):
 
 @moe_combine.register_kernel("cuda")
 def _moe_combine_cuda(y, ids, weights, num_local):
-    _check_combine(y, ids, weights)
-    from k3trt.plugins import moe_route_triton
-
-    return moe_route_triton.moe_combine_fwd(y, ids, weights, num_local)
+    check_moe_combine(y, ids, weights)
+    return dispatch.call("moe_combine", None, "moe_route_triton.moe_combine_fwd", moe_combine_reference,
+                         y, ids, weights, num_local)

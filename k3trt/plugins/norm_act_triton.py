@@ -6,7 +6,7 @@ lazily by the ops' CUDA kernels in norm_act.py, so importing k3trt never needs t
     kda_out_gate_fwd(o [T, H, D], gate [T, H*D], weight [D], eps, out=None, block=None) -> y [T, H*D] gate.dtype
 
 Layouts and math are the ops' (norm_act.py). Inputs need last-dim stride 1 and leading dims that
-norm_act.row_layout folds into at most two strides (a column slice of a wider tensor, [T, S, H]
+norm_act_ref.row_layout folds into at most two strides (a column slice of a wider tensor, [T, S, H]
 with a strided middle dim); outputs are contiguous. ``out`` (contiguous, right shape and dtype)
 is written instead of a new tensor; ``block`` overrides the column block (tests use it to reach
 the looped path). No host synchronisation and no allocation but the output: capturable in a CUDA
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm_act import row_layout
+from .norm_act_ref import row_layout
 
 # Widest row a program holds in registers. A row up to this wide is loaded once, reduced and
 # scaled from registers: one read of x from memory (K3's widest, 7168, fits with 1/8 of the lanes

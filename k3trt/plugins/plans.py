@@ -7,8 +7,9 @@ and the scratch for split partials. Lengths only change how much work each progr
 time (a split past the end of a short request exits at once).
 
 Capacities are the powers of two below the largest batch, plus the largest itself (28 → 1, 2, 4,
-8, 16, 28); a step takes the smallest plan that covers its live requests and pads; more live
-requests than the largest capacity is an error, never a silent truncation.
+8, 16, 28: ``power_of_two_capacities``, the engine's own rule); a step takes the smallest plan that
+covers its live requests and pads; more live requests than the largest capacity is an error, never
+a silent truncation.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from k3trt.builder.capacities import power_of_two_capacities
 
 H200_SMS = 132
 MAX_SPLITS = 128
@@ -76,17 +79,6 @@ class VerifyPlan:
         return 4 * (n + n // self.d_v)
 
 
-def capacities(max_batch: int) -> list[int]:
-    """Powers of two below `max_batch`, then `max_batch`."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    caps, c = [], 1
-    while c < max_batch:
-        caps.append(c)
-        c *= 2
-    return caps + [max_batch]
-
-
 def kernel_config(rows_per_req: int, d_v: int, kv_fp8: bool = False,
                   capacity: int | None = None) -> KernelConfig:
     """Tile shape for a head layout; the tile's M folds rows × heads of one request.
@@ -133,7 +125,7 @@ def make_plan(capacity: int, q_per_req: int, num_heads: int, d_qk: int, d_v: int
 
 def make_plans(max_batch: int, q_per_req: int, num_heads: int, d_qk: int, d_v: int,
                **kw) -> list[VerifyPlan]:
-    return [make_plan(c, q_per_req, num_heads, d_qk, d_v, **kw) for c in capacities(max_batch)]
+    return [make_plan(c, q_per_req, num_heads, d_qk, d_v, **kw) for c in power_of_two_capacities(max_batch)]
 
 
 def pick_plan(plans: list[VerifyPlan], live: int) -> VerifyPlan:
