@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3trt.builder.capacities import power_of_two_capacities
+from k3trt.engine.capacities import power_of_two_capacities
 
 H200_SMS = 132
 MAX_SPLITS = 128
