@@ -53,10 +53,10 @@ def _moe_gemm_cuda(x, w, offs, src_rows=None, dst_rows=None, out_rows=-1):
 
 
 # Up to this many (token, choice) pairs per expert on average the Triton kernel runs; above it
-# torch's grouped GEMM. On the H200 at K3's expert sizes (benchmarks/moe_gemm.py,
-# results/moe_gemm_h200.json) the configs of moe_gemm_triton.CONFIGS take 0.63-0.82x torch's time
-# for one MoE layer's two GEMMs from 1 to 128 tokens (0.5 to 64 pairs per expert); at 512 tokens
-# (a sweep with BM <= 64: results/moe_gemm_h200_first.json) torch's was 2x faster.
+# torch's grouped GEMM, which is 2x faster at 512 tokens on the H200. Below it, at K3's expert sizes
+# (benchmarks/moe_gemm.py, results/moe_gemm_h200.json), the sweep's best configs (the table
+# moe_gemm_triton.CONFIGS follows) take 0.63-0.82x torch's time for one MoE layer's two GEMMs from
+# 1 to 128 tokens (0.5 to 64 pairs per expert).
 MAX_PAIRS_PER_EXPERT = 64
 
 
