@@ -1,4 +1,4 @@
-"""Tensor, expert and decode-context parallelism for Kimi K3 (issue 10).
+"""Tensor, expert and decode-context parallelism for Kimi K3.
 
   config.py     ParallelConfig(tp, dcp, ep, dcp_interleave, rank): groups, checks against the model
   comm.py       Comm (single process, no-op) and TorchComm (torch.distributed: NCCL / gloo)

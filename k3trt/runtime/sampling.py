@@ -5,7 +5,7 @@ Order per row: logits processors → repetition / presence / frequency penalties
 taken here, over the full vocabulary) → temperature → top-k → top-p → min-p → renormalise → draw.
 The draw is an exponential race (argmax p / E, E ~ Exp(1) from the request's torch.Generator), so a
 seeded request draws the same tokens whatever else is in the batch, on the device of the logits.
-``probs`` is exposed on its own: speculative acceptance (issue 5) needs the target distribution p.
+``probs`` is exposed on its own: speculative acceptance needs the target distribution p.
 
 Speculative verification gives one request 1 + len(drafts) rows; row j follows drafts[:j], so
 ``process`` shows row j's processors and penalties the committed tokens plus drafts[:j] as
