@@ -72,19 +72,30 @@ def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="rebuild every capacity even if OUTPUT holds engines built from the same inputs")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="worker processes building capacities in parallel (engine backends; each loads the model)")
+@click.option("--device-memory", "device_memory", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GiB of memory on each target device: the build stops first if the weights cannot fit "
+              "(default: the visible GPU's memory; no GPU, no check)")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="tensor-parallel ranks to plan the per-rank footprint for")
+@click.option("--dcp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="decode-context-parallel ranks to plan the per-rank cache for")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="expert-parallel ranks to plan the per-rank footprint for")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target, check_onnx, force, workers) -> None:
+              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep) -> None:
     """Compile CHECKPOINT into an engine directory.
 
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
     capacities built from the same inputs (checkpoint, code, options, backend and target) are
     reused rather than rebuilt, unless --force."""
     from k3trt.builder.build import build_engine
+    from k3trt.parallel.config import ParallelConfig
     try:
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
                             dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx,
-                            force=force, workers=workers)
+                            force=force, workers=workers, parallel=ParallelConfig(tp=tp, dcp=dcp, ep=ep),
+                            device_memory_gb=device_memory, echo=click.echo)
     except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))

@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -43,6 +43,8 @@ from k3trt.engine.engine_dir import EngineDir, EngineDirError, is_engine_dir, re
 from k3trt.engine.writer import check_output, write_engine_dir
 from k3trt.model.checkpoint_check import validate_weights
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
+from k3trt.model.footprint import Footprint, footprint, local_device_memory
+from k3trt.parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +69,17 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                  capacities: Sequence[int] | None = None, max_num_tokens: int = 8192, spec_tokens: int = 3,
                  kv_dtype: str = "auto", dtype: str | torch.dtype = "bf16", block_size: int = 64,
                  max_seq_len: int | None = None, target: str | None = None, check_onnx: bool = False,
-                 force: bool = False, workers: int = 1) -> Path:
+                 force: bool = False, workers: int = 1, parallel: ParallelConfig | None = None,
+                 device_memory_gb: float | None = None, echo: Callable[[str], None] | None = None) -> Path:
     """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
     the largest being the live-request limit); prefill token capacities are the powers of two up
     to max_num_tokens (engine/capacities.py). `output` may be an existing engine dir: it is
     replaced once the new one is complete, reusing unchanged capacities' engines unless `force`
-    (module doc). `workers`: processes building capacities in parallel (engine backends)."""
+    (module doc). `workers`: processes building capacities in parallel (engine backends).
+    Before any long work the build reports the model's footprint (parameters, weight bytes per
+    device, or per rank of `parallel`; the cache plan) through the log and `echo`, and stops with
+    DoesNotFitError when the weights exceed `device_memory_gb` (GiB; default: the visible GPU's memory;
+    no GPU, no check)."""
     checkpoint, output = Path(checkpoint), Path(output)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -86,6 +93,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
                         max_num_tokens=max_num_tokens,
                         max_seq_len=min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
+    report_footprint(footprint(cfg, dtype=build.torch_dtype, kv_dtype=build.kv_torch_dtype, pc=parallel),
+                     device_memory_gb, echo)
     caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
                            verify=capacities or None)
     check_output(output)
@@ -111,6 +120,19 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
 
     return write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
                             capacities=caps, populate=populate)
+
+
+def report_footprint(fp: Footprint, device_memory_gb: float | None, echo: Callable[[str], None] | None) -> None:
+    """Log (and echo) the footprint; raise DoesNotFitError if it exceeds the target device's memory."""
+    for line in fp.lines():
+        log.info("%s", line)
+        if echo is not None:
+            echo(line)
+    device_bytes = int(device_memory_gb * 2**30) if device_memory_gb is not None else local_device_memory()
+    if device_bytes is None:
+        log.info("no GPU visible and no --device-memory: the fit to a device is not checked")
+        return
+    fp.check_fits(device_bytes)
 
 
 def _check_link_disk(checkpoint: Path, output: Path) -> None:
