@@ -68,12 +68,13 @@ class Footprint:
             return
         need = -(-self.weight_bytes_per_rank // room)       # ranks that would split them enough
         per = "per rank " if self.pc.world_size > 1 else ""
+        smaller = ", or build with --dtype bf16" if _size(self.dtype) > 2 else ""
         raise DoesNotFitError(
             f"the model does not fit the target device: its weights take {self.weight_bytes_per_rank / GIB:.1f} GiB "
             f"{per}in {_name(self.dtype)}, the device has {device_bytes / GIB:.1f} GiB and weights may use "
             f"{room / GIB:.1f} GiB of it ({WEIGHT_FRACTION:.0%}). Remedy: spread the model over more ranks "
             f"(about {need * self.pc.world_size} in all; tensor parallel --tp and expert parallel --ep split the "
-            f"layers and the routed experts), or use a smaller dtype. fp8 / mxfp4 checkpoint experts are "
+            f"layers and the routed experts){smaller}. fp8 / mxfp4 checkpoint experts are "
             f"dequantized to {_name(self.dtype)} at load, so they shrink the download, not this number.")
 
 
