@@ -1,4 +1,5 @@
-"""k3trt's MTP layer against DeepSeek-V3's published definition of a multi-token-prediction module.
+"""k3trt's MTP layer against DeepSeek-V3's published definition of a multi-token-prediction module,
+and the runtime feeding it the hidden state K3's production code feeds it (after the final norm).
 
 transformers' DeepseekV3 has no MTP module, so the reference is written here from DeepSeek-V3's
 definition: h' = eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)]), one decoder layer (transformers'
@@ -17,7 +18,10 @@ from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache
 from k3trt.model.loader import build_model
 from k3trt.model.weights import init_random_
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
 from k3trt.testing import rel_norm_error
+from runtime_utils import prompts
 
 transformers = pytest.importorskip("transformers", minversion="5")
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
@@ -141,3 +145,46 @@ def test_reference_sees_every_mtp_weight(mtp_model):
             moved = reference_mtp_logits(model, cfg, prev, nxt)
             norm.weight.div_(1.5)
         assert rel_norm_error(moved, base) > 1e-3
+
+
+def test_runtime_feeds_mtp_the_final_normed_hidden_state(engine):
+    """K3's production code (the vLLM fork: the target's forward ends with the final norm; the MTP
+    layer's hnorm reads that) and DeepSeek-V3's modeling code feed the MTP layer the target's hidden
+    state AFTER the final norm. Every row of every first MTP step, through the runtime (prefill
+    chunks and verify steps), must equal model.norm of the target's forward output at its position,
+    and differ from the un-normed output."""
+    llm = LLM(engine, verify_checksums=False, speculative="mtp", spec_tokens=2)
+    drafter, model = llm.spec.drafter, llm.session.model
+    cfg = model.cfg
+    layer = model.model.layers[cfg.num_hidden_layers]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    first = {"step": False}
+    propose, forward = drafter.propose, layer.forward
+
+    def spy_propose(*a, **kw):
+        first["step"] = True
+        return propose(*a, **kw)
+
+    def spy_forward(emb, prev_hidden, ctx, cache):
+        if first["step"]:              # step 0 of a proposal: true target rows only
+            seen.append((ctx.positions(prev_hidden.device).clone(), prev_hidden.clone()))
+            first["step"] = False
+        return forward(emb, prev_hidden, ctx, cache)
+
+    drafter.propose, layer.forward = spy_propose, spy_forward
+    try:
+        (prompt,) = prompts(8, [13])
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    finally:
+        del layer.forward
+    assert len(seen) > 1 and out.stats["drafted_tokens"] > 0
+    hist = prompt + out.token_ids
+    cache = ModelCache.allocate(cfg, num_blocks=num_blocks(1), block_size=BLOCK, num_slots=1,
+                                layers=range(cfg.num_hidden_layers))
+    with torch.no_grad():
+        pre = model(torch.tensor(hist), step_ctx([len(hist)], [0]), cache)
+        post = model.model.norm(pre)
+    for positions, h in seen:
+        # the final norm moves the tiny model's hiddens by ~9%; step shapes, by fp32 rounding only
+        assert rel_norm_error(h, post[positions]) <= 1e-5, positions
+        assert rel_norm_error(h, pre[positions]) > 1e-2

@@ -302,9 +302,10 @@ def test_mtp_matches_oracle_and_rolls_back(tiny_model):
     A.on_hidden("r", 0, hid[:P])                  # prefill: every prompt position; x_P was sampled after it
     prop = A.propose([DraftInput("r", a + [x], params=SamplingParams(temperature=1.0))], 3)
     d = prop.tokens[0]
-    # oracle: K3ForCausalLM.mtp over the whole sequence, chained on its own hidden output past the
-    # positions whose target hidden is known
-    prev, ids = hid[:P], (a + [x])[1:]
+    # oracle: K3ForCausalLM.mtp over the whole sequence, on the target's final-normed hiddens, chained
+    # on its own (shared_head-normed) output past the positions whose target hidden is known
+    with torch.inference_mode():
+        prev, ids = model.model.norm(hid[:P]), (a + [x])[1:]
     for j in range(3):
         g, logits = mtp_oracle(model, cfg, prev, ids)
         assert_close(prop.probs[0][j], torch.softmax(logits[-1], -1), atol=1e-6, rtol=1e-3, name=f"q_{j}")

@@ -139,7 +139,10 @@ class K3ForCausalLM(nn.Module):
 
     def mtp(self, j: int, prev_hidden: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext,
             cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP layer j: (its hidden state, its logits fp32). The embedding and lm_head are shared."""
+        """MTP layer j: (its output after shared_head.norm, its logits fp32). The embedding and
+        lm_head are shared. `prev_hidden` is the target's hidden after the final norm
+        (``model.norm(forward(...))``) or, chained, a previous MTP step's first output, as K3's
+        production code feeds it (runtime/speculative/mtp.py)."""
         layer = self.model.layers[self.cfg.num_hidden_layers + j]
-        h = layer(self.model.embed_tokens(next_ids), prev_hidden, ctx, cache)
-        return h, self._head(layer.shared_head.norm(h)).float()
+        g = layer.shared_head.norm(layer(self.model.embed_tokens(next_ids), prev_hidden, ctx, cache))
+        return g, self._head(g).float()

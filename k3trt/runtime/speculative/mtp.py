@@ -6,6 +6,12 @@ x_{i+1}; its output g_i gives logits for x_{i+2} and is the "previous hidden" fo
 when h_{i+1} is not known yet. Its MLA layer (RoPE) has a cache over positions; the drafter owns
 it (its own blocks; no KDA, so no state to roll back).
 
+Which hidden state: what K3's production code (the vLLM fork's kimi_linear.py and deepseek_mtp.py)
+feeds its MTP layer. The target model's forward there ends with the final norm, so h_i is the
+target's hidden AFTER ``model.norm``; a chained step takes g AFTER ``shared_head.norm`` (the
+tensor lm_head reads). DeepSeek-V3's own modeling code does the same. The runtime hands over the
+pre-norm rows (``K3ForCausalLM.forward``'s output); ``on_hidden`` applies the final norm.
+
 Hand-over (``needs_hidden``): after every target forward the runtime calls
 ``on_hidden(request_id, start, hidden)`` with the target's hidden states (``K3ForCausalLM.forward``
 output rows, before the final norm) for the positions whose next token is now committed:
@@ -91,7 +97,8 @@ class MTPDrafter(Drafter):
         if start > st.known:
             raise ValueError(f"MTP drafter: hidden states for {request_id} start at position {start} but only "
                              f"positions < {st.known} were handed over (every committed position is needed)")
-        h = hidden.detach().to(self.device)
+        with torch.inference_mode():      # the MTP layer reads the target's final-normed hidden (module doc)
+            h = self.model.model.norm(hidden.detach().to(self.device))
         if start < st.valid:          # recomputed positions (e.g. after preemption): redo from there
             st.valid, st.hidden = start, h.clone()
         else:                          # clone/cat: the runtime may reuse its output buffer
@@ -147,12 +154,13 @@ class MTPDrafter(Drafter):
 
     # ------------------------------------------------------------------------ internals
     def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP forward: (g at each sequence's last row [S, H], logits there [S, V] fp32). Mirrors
-        K3ForCausalLM.mtp(0, …) but takes the lm_head only at the last rows: step 0 may hold a whole
-        prompt, and logits for every row would cost T x V."""
+        """One MTP forward: (g at each sequence's last row [S, H], after shared_head.norm: the next
+        step's previous hidden; logits there [S, V] fp32). Mirrors K3ForCausalLM.mtp(0, …) but takes
+        the lm_head only at the last rows: step 0 may hold a whole prompt, and logits for every row
+        would cost T x V."""
         ids, ctx = step_context(steps, self.block_size, self.device)
         m = self.model
         layer = m.model.layers[self.idx]
         h = layer(m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
-        last = h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1]
-        return last, m.lm_head(layer.shared_head.norm(last)).float()
+        g = layer.shared_head.norm(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
+        return g, m.lm_head(g).float()
