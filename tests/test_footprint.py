@@ -19,7 +19,7 @@ from k3trt.parallel.config import ParallelConfig, ParallelConfigError
 KIMI_LINEAR_48B = Path(__file__).parent / "data" / "kimi_linear_48b_a3b_config.json"
 # K3's published text-config sizes (spec/K3_MODEL.md) on the medium preset's per-layer dims:
 # 93 layers (24 MLA, every fourth), 896 routed experts.
-K3_SIZES = dict(num_hidden_layers=93, num_experts=896, attn_res_block_size=12)
+K3_SIZES = {"num_hidden_layers": 93, "num_experts": 896, "attn_res_block_size": 12}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_utils import BLOCK, num_blocks, step_ctx
+from runtime_utils import prompts
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache
@@ -21,20 +22,22 @@ from k3trt.model.weights import init_random_
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.testing import rel_norm_error
-from runtime_utils import prompts
 
 transformers = pytest.importorskip("transformers", minversion="5")
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
-    DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    DeepseekV3RotaryEmbedding,
+)
 
 REL = 1e-4
 EPS = 1e-6
-YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
-            mscale=1.0, mscale_all_dim=0.8)
-VARIANTS = {"q_lora-yarn": dict(q_lora_rank=24, rope_scaling=YARN), "no_q_lora-default_rope": dict(q_lora_rank=None)}
-SIZES = dict(vocab_size=160, hidden_size=64, num_attention_heads=4, intermediate_size=96, kv_lora_rank=32,
-             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
-             num_experts_per_token=2, routed_scaling_factor=2.446, rope_theta=10000.0, max_position_embeddings=4096)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+VARIANTS = {"q_lora-yarn": {"q_lora_rank": 24, "rope_scaling": YARN}, "no_q_lora-default_rope": {"q_lora_rank": None}}
+SIZES = {"vocab_size": 160, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96, "kv_lora_rank": 32,
+         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 32,
+         "num_experts_per_token": 2, "routed_scaling_factor": 2.446, "rope_theta": 10000.0,
+         "max_position_embeddings": 4096}
 
 
 def k3trt_config(variant: dict) -> ModelConfig:
@@ -42,7 +45,7 @@ def k3trt_config(variant: dict) -> ModelConfig:
     return ModelConfig.from_dict(dict(
         SIZES, model_type="kimi_linear", num_hidden_layers=1, num_experts=8, num_shared_experts=1,
         num_expert_group=4, topk_group=2, first_k_dense_replace=1, hidden_act="silu", rms_norm_eps=EPS,
-        linear_attn_config=dict(kda_layers=[], full_attn_layers=[1]), num_nextn_predict_layers=1, **variant))
+        linear_attn_config={"kda_layers": [], "full_attn_layers": [1]}, num_nextn_predict_layers=1, **variant))
 
 
 def hf_config(cfg: ModelConfig):

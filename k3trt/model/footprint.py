@@ -55,10 +55,10 @@ class Footprint:
                                                   f"(tp={self.pc.tp}, dcp={self.pc.dcp}, ep={self.pc.ep})")
         return [
             f"parameters: {self.params / 1e9:.3f} B ({self.params:,})",
-            f"weights on {where}: {self.weight_bytes_per_rank / GIB:.2f} GiB "
-            f"({self.params_per_rank:,} parameters in {_name(self.dtype)})",
-            f"cache plan: MLA latent cache {self.mla_bytes_per_token:,} bytes per token ({_name(self.kv_dtype)}); "
-            f"KDA state {self.kda_bytes_per_seq / 2**20:.2f} MiB per sequence",
+            (f"weights on {where}: {self.weight_bytes_per_rank / GIB:.2f} GiB "
+             f"({self.params_per_rank:,} parameters in {_name(self.dtype)})"),
+            (f"cache plan: MLA latent cache {self.mla_bytes_per_token:,} bytes per token ({_name(self.kv_dtype)}); "
+             f"KDA state {self.kda_bytes_per_seq / 2**20:.2f} MiB per sequence"),
         ]
 
     def check_fits(self, device_bytes: int) -> None:
@@ -103,7 +103,9 @@ def local_device_memory() -> int | None:
 
 
 def _count(cfg: ModelConfig, pc: ParallelConfig) -> int:
-    from k3trt.model.k3 import K3ForCausalLM       # the model module registers the ops: load it only here
+    from k3trt.model.k3 import (
+        K3ForCausalLM,  # the model module registers the ops: load it only here
+    )
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, Comm(pc))
     return sum(p.numel() for p in model.parameters())
