@@ -28,12 +28,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton_interp import run_interpreted
 
+from k3trt.model import k3
+from k3trt.model.attn_res import attn_res as model_attn_res
 from k3trt.plugins import attn_res as ops
 from k3trt.plugins import attn_res_ref, dispatch
 from k3trt.plugins.attn_res import attn_res_reference
 from k3trt.testing import assert_close, bits
-from triton_interp import run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -163,7 +166,6 @@ CORNERS = [ResCase(3, 64, 3, 1), ResCase(3, 64, 1, 3, delta=False), ResCase(2, 6
 def test_op_is_the_reference_and_the_model_math(case):
     """On the CPU the op runs its torch body: equal, bit for bit, to the reference and to the model's
     attn_res (which may return prefix itself; the op returns a copy)."""
-    from k3trt.model.attn_res import attn_res as model_attn_res
     run_and_check(case, 1, "cpu", torch.ops.k3trt.attn_res, TIGHT)
     inp = make_inputs(case, 2)
     model_backing = inp.backing.clone()
@@ -203,8 +205,6 @@ def _fake_layer(idx: int, block_size: int, H: int, dtype: torch.dtype, gen: torc
 def test_chained_like_the_model(monkeypatch, dtype):
     """DecoderLayer.forward_attn_res over 7 layers (block size 3: writes at layers 0, 3, 6), then the
     model's exit read, with k3.py's attn_res swapped for the op: equal, bit for bit, to the original."""
-    from k3trt.model import k3
-    from k3trt.model.attn_res import attn_res as model_attn_res
     T, H, L, B = 4, 64, 7, 3
     NB = -(-L // B)
     gen = torch.Generator().manual_seed(0)
@@ -261,7 +261,6 @@ def test_opcheck():
 
 
 def test_fake_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
     inp = make_inputs(ResCase(5, 64, 3, 3, dtype=BF16))
     with FakeTensorMode() as mode:
         args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inp.args]
@@ -279,7 +278,7 @@ def test_cuda_kernel_is_registered_without_importing_triton():
 # ----------------------------------------------------------------------------- CPU: the kernel, interpreted
 def interpreter_main() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess: the launcher on CPU tensors against the torch body."""
-    from k3trt.plugins import attn_res_triton
+    from k3trt.plugins import attn_res_triton  # noqa: PLC0415 (optional: triton)
     for case in PRODUCT + CORNERS:
         check = dict(tol=TIGHT) if case.dtype == F32 else dict(tol=ONE_BF16_ULP, reference=cast_oracle)
         # H = 200 in chunks of 128 (the last one 72 wide): the loops and the column masks
@@ -336,7 +335,7 @@ def test_gpu_many_sources(nb):
 @pytest.mark.gpu
 def test_gpu_op_equals_direct_launch():
     """The op takes the kernel: bit for bit a direct launch."""
-    from k3trt.plugins import attn_res_triton
+    from k3trt.plugins import attn_res_triton  # noqa: PLC0415 (optional: triton)
     case = ResCase(16, K3_H, 3, 3, dtype=BF16)
     a, b = make_inputs(case, 5, "cuda"), make_inputs(case, 5, "cuda")
     got = torch.ops.k3trt.attn_res(*a.args)

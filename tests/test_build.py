@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import time
 from collections import namedtuple
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -30,9 +32,11 @@ import k3trt.builder.rank as rank
 import k3trt.builder.tensorrt as trt
 import k3trt.engine.backends as registry
 from k3trt.builder.build import build_engine
+from k3trt.cli import main as cli
 from k3trt.engine.engine_dir import EngineDirError, read_engine_dir
 from k3trt.engine.writer import EngineDirBusy, build_lock
-from k3trt.cli import main as cli
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.trt_session import EngineNotRunnable, TrtSession
 
 needs_rtx = pytest.mark.skipif(not __import__("importlib").util.find_spec("tensorrt_rtx_bindings"),
                                reason="TensorRT-RTX not installed (pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
@@ -151,9 +155,8 @@ class FakeEngines:
 
     def export(self, model, cfg, spec, rank_dir, i, **_):
         assert model == "model"
-        import numpy as np
-        import onnx
-        from onnx import TensorProto, helper, numpy_helper
+        import onnx  # noqa: PLC0415 (optional: onnx)
+        from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415 (optional: onnx)
 
         self.exported.append(spec.name)
         w = numpy_helper.from_array(np.arange(64 * 64, dtype=np.float32).reshape(64, 64), "w")
@@ -178,7 +181,6 @@ class FakeEngines:
 @pytest.fixture
 def ckpt_copy(tiny_ckpt, tmp_path):
     """A private copy of the tiny checkpoint (tests change its files' mtimes)."""
-    import shutil
     return Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
 
 
@@ -388,8 +390,6 @@ def test_rtx_build_through_the_cli(rtx_engine):
 
 
 def test_the_torch_runtime_refuses_the_rtx_engine_dir_with_the_reason(rtx_engine):
-    from k3trt.runtime.llm import LLM
-
     out = rtx_engine[0]
     reason = registry.runnable_here("tensorrt-rtx", "sm120")
     with pytest.raises(EngineDirError, match="built for the 'tensorrt-rtx' backend \\(target sm120\\)") as e:
@@ -403,9 +403,6 @@ def test_what_each_machine_is_told(rtx_engine, monkeypatch):
     """The refusals on other machines (the GPU query faked): an H200 (sm90), an RTX 4090 (sm89),
     an RTX 5090 (sm120: it could run the engines, the runtime cannot yet). TrtSession refuses
     before any CUDA or TensorRT call."""
-    from k3trt.runtime.llm import LLM
-    from k3trt.runtime.trt_session import EngineNotRunnable, TrtSession
-
     ed = read_engine_dir(rtx_engine[0])
     kw = dict(backend=ed.backend, target=ed.target, verify=ed.capacities.verify, prefill=ed.capacities.prefill,
               spec_tokens=0, max_seq_len=64, dtype=None, kv_dtype=None)
@@ -437,7 +434,6 @@ def test_rtx_rebuild_reuses_every_unchanged_engine(rtx_engine, tiny_ckpt):
 @needs_rtx
 @pytest.mark.slow
 def test_rtx_changed_capacities_rebuild_only_the_new_ones(rtx_engine, tiny_ckpt, tmp_path):
-    import shutil
     out = Path(shutil.copytree(rtx_engine[0], tmp_path / "engine"))
     before = _files(out)
     r, logs, _ = _cli_logged(["build", str(tiny_ckpt), "-o", str(out), *RTX_ARGS, "--capacities", "1,2",

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_interp import run_interpreted
 
 from k3trt.plugins.cache_write import mla_cache_write_reference
 from k3trt.testing import bits
-from triton_interp import run_interpreted
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -118,7 +118,7 @@ INTERPRETER_CASES = [WriteCase(T, R, P, cd, ind, scale, exact=True)
 
 def interpreter_main() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess: the launcher on CPU tensors vs the torch body."""
-    from k3trt.plugins import cache_write_triton
+    from k3trt.plugins import cache_write_triton  # noqa: PLC0415 (optional: triton)
     for case in INTERPRETER_CASES:
         try:
             run_and_check(case, case.T, "cpu", cache_write_triton.mla_cache_write_fwd)

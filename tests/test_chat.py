@@ -6,8 +6,15 @@ import json
 
 import pytest
 
-from k3trt.runtime.chat import (CHAT_TEMPLATE, CONTROL_TOKENS, chat_ids, render, render_ids, render_segments,
-                               template_ids)
+from k3trt.runtime.chat import (
+    CHAT_TEMPLATE,
+    CONTROL_TOKENS,
+    chat_ids,
+    render,
+    render_ids,
+    render_segments,
+    template_ids,
+)
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 from k3trt.runtime.xtml import ParsedOutput, ToolCall, parse
 
@@ -130,16 +137,15 @@ def test_errors():
 def _hf_like_template():
     """Compile CHAT_TEMPLATE the way transformers' apply_chat_template does (its environment and
     its `tojson`, which takes json.dumps keyword arguments)."""
-    jinja2 = pytest.importorskip("jinja2")
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    ext = pytest.importorskip("jinja2.ext")
+    sandbox = pytest.importorskip("jinja2.sandbox")
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[ext.loopcontrols])
     env.filters["tojson"] = tojson
     return env.from_string(CHAT_TEMPLATE)
 

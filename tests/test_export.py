@@ -11,11 +11,12 @@ import torch
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime_extensions")
 
-from k3trt.builder.export import StepGraph, export_mode, model_cache  # noqa: E402
+from k3trt.builder.export import StepGraph, example_inputs, export_mode, model_cache  # noqa: E402
 from k3trt.builder.onnx_ops import DOMAIN, check_graph, native_lowerings, reference_outputs  # noqa: E402
 from k3trt.builder.rank import build_rank  # noqa: E402
 from k3trt.engine.capacities import Capacities  # noqa: E402
 from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs  # noqa: E402
+from k3trt.model import mla
 from k3trt.model.moe import Experts  # noqa: E402
 
 BLOCK, MAX_SEQ = 16, 60
@@ -85,7 +86,6 @@ def test_step_graph_equals_the_model_eagerly(tiny_model):
     cfg, model = tiny_model
     for spec in graph_specs(cfg, CAPS, block_size=BLOCK, max_seq_len=MAX_SEQ, dtype=torch.float32,
                             kv_dtype=torch.float32):
-        from k3trt.builder.export import example_inputs
         inputs = example_inputs(cfg, spec, num_blocks=spec.num_seqs * spec.max_blocks + 1, num_slots=spec.num_seqs + 2)
         ref = reference_outputs(model, cfg, spec, inputs)
         with torch.no_grad(), export_mode(cfg, spec.q_per_req):
@@ -97,7 +97,6 @@ def test_step_graph_equals_the_model_eagerly(tiny_model):
 
 def test_export_mode_restores_what_it_patches(tiny_model):
     cfg, _ = tiny_model
-    from k3trt.model import mla
     before = (torch.ops.k3trt.mla_cache_write, torch.ops.k3trt.kda_recurrent, Experts.forward, mla.ABSORBED_MAX_Q)
     with pytest.raises(RuntimeError, match="boom"):
         with export_mode(cfg, 64, native=True):

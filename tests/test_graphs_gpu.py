@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from k3trt.runtime.engine import Seq, make_batch
-from k3trt.runtime.kv_cache import plan_cache
-from k3trt.testing import assert_close
 from runtime_utils import BLOCK, assert_released, build_tiny_engine, prompts
+
+from k3trt.model.loader import load_model
+from k3trt.runtime.engine import Seq, make_batch
+from k3trt.runtime.graphs import GraphSession
+from k3trt.runtime.kv_cache import plan_cache
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
+from k3trt.testing import assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _sessions(tiny_ckpt):
-    from k3trt.model.loader import load_model
-    from k3trt.runtime.graphs import GraphSession
     out = []
     for capture in (True, False):
         cfg, model = load_model(tiny_ckpt, dtype=torch.bfloat16, device="cuda")
@@ -68,8 +70,6 @@ def test_replays_equal_uncaptured_steps(tiny_ckpt):
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_runtime_with_graphs(tiny_ckpt, tmp_path, spec):
-    from k3trt.runtime.llm import LLM
-    from k3trt.runtime.params import SamplingParams
     engine = build_tiny_engine(tiny_ckpt, tmp_path / "engine", dtype="bf16", max_num_tokens=64)
     ps = prompts(3, [6, 11, 30, 4])
     kw = dict(verify_checksums=False, device="cuda", **({} if spec == "none" else dict(speculative=spec, spec_tokens=3)))

@@ -2,13 +2,22 @@
 logits match transformers' in fp32: a prompt, decode steps through the caches, a 4-row verify step;
 greedy tokens equal generate's."""
 
+import json
+
 import pytest
 import torch
+from click.testing import CliRunner
 from hf_utils import hf_logits, hf_model, save
 from model_utils import BLOCK, num_blocks, step_ctx
 
+from k3trt.cli import main
+from k3trt.model.checkpoint_io import CheckpointReader, write_checkpoint
 from k3trt.model.context import ModelCache
 from k3trt.model.loader import load_model
+from k3trt.model.make_checkpoint import quant_config
+from k3trt.model.quant import load_linear_weight, quantize_for_checkpoint
+from k3trt.model.weights import QUANT_TARGETS, checkpoint_tensors
+from k3trt.runtime.tokenizer import Tokenizer, k3_vocab_size, write_k3_tokenizer
 from k3trt.testing import rel_norm_error
 
 REL = 1e-4
@@ -82,12 +91,7 @@ def test_greedy_tokens_equal_generate(pair):
 def test_build_and_run_cli_on_transformers_checkpoint(tmp_path):
     """`k3trt build` and `k3trt run`, the two documented commands, on save_pretrained's output with
     a tokenizer beside it; run's greedy tokens equal generate's."""
-    import json
 
-    from click.testing import CliRunner
-
-    from k3trt.cli import main
-    from k3trt.runtime.tokenizer import Tokenizer, k3_vocab_size, write_k3_tokenizer
 
     hf = hf_model(vocab_size=k3_vocab_size(), layers=2)
     d = tmp_path / "kimi-linear"
@@ -111,14 +115,8 @@ def test_build_and_run_cli_on_transformers_checkpoint(tmp_path):
 def test_quantized_published_layout_matches_dequantized_reference(tmp_path, quant, suffix):
     """block-fp8 projections / compressed-tensors mxfp4 experts under the published names load, and
     k3trt's logits match transformers' on the dequantized weights."""
-    import json
+    from transformers import KimiLinearForCausalLM  # noqa: PLC0415 (optional: transformers)
 
-    from transformers import KimiLinearForCausalLM
-
-    from k3trt.model.checkpoint_io import CheckpointReader, write_checkpoint
-    from k3trt.model.make_checkpoint import quant_config
-    from k3trt.model.quant import load_linear_weight, quantize_for_checkpoint
-    from k3trt.model.weights import QUANT_TARGETS
 
     plain, qdir, ddir = tmp_path / "plain", tmp_path / "q", tmp_path / "deq"
     save(hf_model(), plain)
@@ -148,12 +146,8 @@ def test_quantized_published_layout_matches_dequantized_reference(tmp_path, quan
 def test_k3trt_written_checkpoint_loads_in_transformers(pair, tmp_path):
     """The inverse: k3trt's writer (make-checkpoint's) gives names, shapes and a released-style
     config.json that transformers' kimi_linear loads strictly, with the same logits."""
-    import json
+    from transformers import KimiLinearForCausalLM  # noqa: PLC0415 (optional: transformers)
 
-    from transformers import KimiLinearForCausalLM
-
-    from k3trt.model.checkpoint_io import write_checkpoint
-    from k3trt.model.weights import checkpoint_tensors
 
     hf, cfg, model, _ = pair
     write_checkpoint(tmp_path, checkpoint_tensors(model, cfg), max_shard_bytes=1 << 20)

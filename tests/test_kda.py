@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import KDALayerCache, ModelCache, StepContext
@@ -149,7 +150,6 @@ def test_bf16_inputs():
 
 
 def test_fake_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q, k, v, g, beta, state = Case(T=7, batch=2, dv=8).inputs()
         o, final, states = torch.ops.k3trt.kda_recurrent(q, k, v, g, beta, state, 1.0, True)

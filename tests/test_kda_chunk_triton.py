@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interp import run_interpreted
 
 from k3trt.plugins import dispatch, kda_ref
 from k3trt.plugins import kda as ops
 from k3trt.testing import assert_close
-from triton_interp import run_interpreted
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # kernel vs torch body: both fp32, only chunking (16 vs the body's chunk) and summation order differ
@@ -129,7 +129,7 @@ def oracle(q, k, v, g, beta, state, scale) -> tuple[torch.Tensor, torch.Tensor]:
 def check_case(case: ChunkCase, seed: int, device, chunk_size: int, with_oracle: bool,
                o_tol: dict | None = None, state_tol: dict = KERNEL_TOL) -> None:
     """The kernel, writing into NaN-filled buffers, against the torch body (and the oracle)."""
-    from k3trt.plugins import kda_chunk_triton as kt
+    from k3trt.plugins import kda_chunk_triton as kt  # noqa: PLC0415 (optional: triton)
     args = make_inputs(case, seed, device)
     v, state = args[2], args[5]
     out = (torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device),
@@ -212,7 +212,7 @@ def test_unsupported_reasons():
 
 @needs_triton
 def test_validation_names_the_argument():
-    from k3trt.plugins import kda_chunk_triton as kt
+    from k3trt.plugins import kda_chunk_triton as kt  # noqa: PLC0415 (optional: triton)
     q, k, v, g, beta, state, scale = make_inputs(ChunkCase(5, dv=32), 0)
     with pytest.raises(ValueError, match="k has shape"):
         kt.kda_chunked_fwd(q, k[:, :4], v, g, beta, state, scale, 32)
@@ -227,7 +227,7 @@ def test_validation_names_the_argument():
 
 @needs_triton
 def test_pick_block_v():
-    from k3trt.plugins.kda_chunk_triton import pick_block_v
+    from k3trt.plugins.kda_chunk_triton import pick_block_v  # noqa: PLC0415 (optional: triton)
     assert pick_block_v(1, 96, 128, 128, 132) == (64, 8)       # K3 prefill, one sequence
     assert pick_block_v(8, 96, 128, 128, 132) == (64, 8)       # the register budget caps it
     assert pick_block_v(1, 12, 128, 128, 132) == (16, 4)       # a TP-sharded layer: every SM busy
@@ -267,7 +267,7 @@ def test_gpu_fallback_for_small_heads(caplog):
 @pytest.mark.gpu
 def test_gpu_op_dispatches_to_the_kernel():
     """The op on CUDA tensors is the kernel, bit for bit."""
-    from k3trt.plugins import kda_chunk_triton as kt
+    from k3trt.plugins import kda_chunk_triton as kt  # noqa: PLC0415 (optional: triton)
     args = make_inputs(ChunkCase(300, B=2, H=96, dk=128, dv=128, decay="k3", dtype=BF16), 5, "cuda")
     o, final = torch.ops.k3trt.kda_chunked(*args, 32)
     ko, kfinal = kt.kda_chunked_fwd(*args, 32)

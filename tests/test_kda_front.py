@@ -26,10 +26,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton_interp import run_interpreted
+
 from k3trt.plugins import kda_front as front
 from k3trt.plugins import kda_front_ref as front_ref
 from k3trt.testing import assert_close, same_bits
-from triton_interp import run_interpreted
 
 F32, BF16 = torch.float32, torch.bfloat16
 K = 4
@@ -291,7 +293,6 @@ def test_prep_opcheck(lower_bound):
 
 
 def test_fake_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
     conv = make_conv_inputs(ConvCase(3, 4)).args
     prep = make_prep_inputs(PrepCase(5, 3, 32))
     with FakeTensorMode() as mode:
@@ -323,7 +324,7 @@ INTERPRETER_PREP_CASES = [(PrepCase(T, H, D, lb, dt), bh) for T, (H, D, bh), lb,
 def interpreter_main() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess: kda_front_triton's launchers on CPU tensors
     against the torch bodies."""
-    from k3trt.plugins import kda_front_triton as kt
+    from k3trt.plugins import kda_front_triton as kt  # noqa: PLC0415 (optional: triton)
     for case in INTERPRETER_CONV_CASES:
         tol = KERNEL_TOL if case.dtype == F32 else dict(dtype=BF16)
         try:

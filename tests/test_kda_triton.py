@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from triton_interp import run_interpreted
 
 from k3trt.plugins import kda as ops
 from k3trt.plugins import kda_ref
 from k3trt.testing import assert_close, bits, same_bits
-from triton_interp import run_interpreted
 
 F32 = torch.float32
 # kernel vs torch body: both fp32, only the order of the dk-long sums differs
@@ -191,7 +192,6 @@ def test_opcheck():
 
 
 def test_fake_shape():
-    from torch._subclasses.fake_tensor import FakeTensorMode
     inp = make_inputs(SlotsCase(3, 4, dv=32))
     with FakeTensorMode() as mode:
         args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inp.args]
@@ -217,7 +217,7 @@ INTERPRETER_CASES = [(SlotsCase(B, n, dk=dk, dv=32, save=save, dtype=dt), 512 //
 def interpreter_main() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess: kda_triton's launcher on CPU tensors against the
     torch body, every INTERPRETER_CASES case."""
-    from k3trt.plugins import kda_triton
+    from k3trt.plugins import kda_triton  # noqa: PLC0415 (optional: triton)
     for case, bv in INTERPRETER_CASES:
         def kernel(*a, bv=bv):
             return kda_triton.kda_recurrent_slots_fwd(*a, block_v=bv)
@@ -265,7 +265,7 @@ GPU_CASES += [(SlotsCase(B, 4, H=96, dk=128, dv=128, dtype=torch.bfloat16), bv)
 @pytest.mark.parametrize("case,bv", GPU_CASES, ids=lambda x: str(x) if x is not None else "auto")
 @pytest.mark.gpu
 def test_gpu_kernel_matches_torch_body(case, bv):
-    from k3trt.plugins import kda_triton
+    from k3trt.plugins import kda_triton  # noqa: PLC0415 (optional: triton)
     run_and_check(case, case.B + case.n, "cuda",
                   lambda *a: kda_triton.kda_recurrent_slots_fwd(*a, block_v=bv),
                   kda_ref.kda_recurrent_slots_reference, KERNEL_TOL)
@@ -274,7 +274,7 @@ def test_gpu_kernel_matches_torch_body(case, bv):
 @pytest.mark.gpu
 def test_gpu_op_dispatches_to_the_kernel():
     """At K3 sizes the op takes the kernel (no fallback) and equals a direct launch bit for bit."""
-    from k3trt.plugins import kda_triton
+    from k3trt.plugins import kda_triton  # noqa: PLC0415 (optional: triton)
     case = SlotsCase(8, 4, H=96, dk=128, dv=128, dtype=torch.bfloat16)
     inp = make_inputs(case, 3, "cuda")
     a = inp.args

@@ -7,10 +7,11 @@ go in; the GPU runs the same code under capture (tests/test_graphs_gpu.py's runt
 from __future__ import annotations
 
 import pytest
+from runtime_utils import assert_released, prompts
 
+from k3trt.runtime import lookahead
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from runtime_utils import assert_released, prompts
 
 LENGTHS = [5, 30, 12, 3]
 MAX_TOKENS = [20, 9, 14, 20]
@@ -78,7 +79,6 @@ def test_arrivals_and_abort_while_a_step_is_ahead(engine, reference):
 
 def test_a_failed_launch_ahead_loses_nothing(engine, reference, monkeypatch):
     """If launching ahead fails, the step's own tokens still commit and decoding goes on in step."""
-    from k3trt.runtime import lookahead
     ps, want = reference
     llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=False)
 

@@ -17,9 +17,11 @@ import itertools
 
 import pytest
 import torch
-
 from test_mla_verify import Case, make_inputs
 from test_mla_verify_gpu import check, replay_shorter
+
+from k3trt.plugins import mla_cuda, plans
+from k3trt.plugins.mla_verify import mla_verify_ref
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available()
@@ -32,7 +34,6 @@ FP8 = torch.float8_e4m3fn
 @pytest.fixture(autouse=True)
 def nan_scratch(monkeypatch):
     """The kernel's split partials come NaN-filled: a partial the merge reads unwritten shows."""
-    from k3trt.plugins import mla_cuda, plans
     monkeypatch.setattr(mla_cuda, "split_scratch",
                         functools.partial(plans.split_scratch, poison=True))
 
@@ -61,9 +62,6 @@ def cases():
 
 def run(case, splits, seed, schedule, edit=None, **launch):
     """(out, lse, ref_out, ref_lse); edit(cache, table), if given, changes the cache in place first."""
-    from k3trt.plugins import mla_cuda
-    from k3trt.plugins.mla_verify import mla_verify_ref
-
     q, cache, table, seq_lens, _ = make_inputs(case, seed=seed, device="cuda")
     if edit is not None:
         edit(cache, table)
@@ -127,8 +125,6 @@ def test_one_split_requests_beside_merged_ones(splits, schedule):
 
 @pytest.mark.parametrize("schedule, kv", COMBOS, ids=COMBO_IDS)
 def test_captures_in_graph_and_follows_lengths(kv, schedule):
-    from k3trt.plugins import mla_cuda
-    from k3trt.plugins.mla_verify import mla_verify_ref
     case = _case((5, 900, 64), 12, kv)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     call = lambda: mla_cuda.mla_verify_cuda(q, cache, table, seq_lens, 4, case.width ** -0.5,  # noqa: E731
@@ -153,7 +149,6 @@ def test_next_kernel_sees_the_whole_output_after_a_merge_with_nothing_to_merge()
     one split; only CTA 0 waits for the verify grid. If none waited, the merge grid could complete
     while the verify kernel (3000 tokens a request here, ~100 us) still writes, and the next kernel
     in the stream would read a NaN-poisoned output."""
-    from k3trt.plugins import mla_cuda
     case = _case((3000,) * 32, 12, None)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     out = torch.empty(q.shape[0], case.heads, case.d_v, dtype=q.dtype, device="cuda")
@@ -173,8 +168,6 @@ def test_pair_kernel_is_bitwise_repeatable():
     """The result may not depend on timing (which warpgroup's chunks land first, which CTAs run
     together, which warps skip a rescale): repeated calls agree bit for bit, and with the
     reference. 48 heads, 24 requests of mixed lengths, split-K and the merge included."""
-    from k3trt.plugins import mla_cuda
-    from k3trt.plugins.mla_verify import mla_verify_ref
     g = torch.Generator().manual_seed(5)
     case = _case(tuple(int(x) for x in torch.randint(1, 4000, (24,), generator=g)), 48, None)
     q, cache, table, seq_lens, _ = make_inputs(case, seed=4, device="cuda")
@@ -214,8 +207,6 @@ def test_q_tile_reads_only_its_rows(kv):
     one row into a NaN-filled buffer, so a map based on anything but Q's pointer reads NaN or
     shifted rows. With 12 heads a request's 48 rows fill three quarters of its 64-row tile; the
     rest reads the next request's Q (zeros past the tensor), which must not reach the output."""
-    from k3trt.plugins import mla_cuda
-    from k3trt.plugins.mla_verify import mla_verify_ref
     case = _case((700, 65, 1, 2000), 12, kv)
     q, cache, table, seq_lens, _ = make_inputs(case, seed=11, device="cuda")
     buf = torch.full((q.shape[0] + 2, *q.shape[1:]), float("nan"), dtype=q.dtype, device="cuda")
@@ -233,7 +224,6 @@ def test_q_tile_reads_only_its_rows(kv):
 
 def test_misaligned_q_is_refused():
     """TMA needs a 16-byte aligned base: a Q view 2 bytes into its buffer is refused by name."""
-    from k3trt.plugins import mla_cuda
     case = _case((100,), 12, None)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
@@ -269,7 +259,6 @@ def test_swap_kernel_matches_reference(case, splits):
 def test_swap_refuses_what_it_does_not_take(kv, q_per_req):
     """A bf16 cache, or more query rows a request than a CTA has: refused by name, not computed
     wrongly."""
-    from k3trt.plugins import mla_cuda
     case = _case((100,), 1, kv, q_per_req)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
     expect = "schedule swap takes an fp8 cache and a head group dividing"
@@ -282,7 +271,6 @@ def test_swap_refuses_what_it_does_not_take(kv, q_per_req):
 def test_default_schedule_takes_swap_where_picked(heads):
     """With no schedule given, an fp8 cache at 12 heads (one CTA a request) or 48 (four head
     groups) and batch 32 runs the swap kernel (pick_schedule), through the default split plan."""
-    from k3trt.plugins import mla_cuda
     g = torch.Generator().manual_seed(12)
     case = _case(tuple(int(x) for x in torch.randint(1, 5000, (32,), generator=g)), heads, FP8)
     assert mla_cuda.pick_schedule(FP8, 4, heads, 32) == "swap"

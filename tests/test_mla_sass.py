@@ -25,7 +25,7 @@ def _cuobjdump() -> str | None:
     if found:
         return found
     try:  # triton's wheel carries one
-        import triton
+        import triton  # noqa: PLC0415 (optional: triton)
     except ImportError:
         return None
     hits = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import k3trt.plugins.merge  # noqa: F401  (registers the op)
 from k3trt.plugins import dcp, dcp_sim, plans
 from k3trt.plugins.mla_verify import mla_verify_ref, sparse_keep, visible_lengths
+from k3trt.plugins.mla_verify_trt import compile_ptx
 from k3trt.testing import assert_close
 
 FP8 = torch.float8_e4m3fn
@@ -244,7 +246,6 @@ def test_fake_and_opcheck():
     q, cache, table, seq_lens, _ = make_inputs(case)
     args = (q, cache, table, seq_lens, 2, 0.1, 1.0, case.d_v)
     torch.library.opcheck(torch.ops.k3trt.mla_verify.default, args)
-    from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         out, lse = torch.ops.k3trt.mla_verify(*fargs)
@@ -286,14 +287,13 @@ def test_trt_ptx_compiles_and_assembles(kv_type, capacity, tmp_path):
     """The PTX the TensorRT AOT plugin would embed: compiles for SM90 without a GPU, carries
     exactly TensorRT's parameters, and still assembles after the scratch parameters are dropped."""
     pytest.importorskip("triton")
-    from k3trt.plugins.mla_verify_trt import compile_ptx
     name, ptx, warps, shared, plan = compile_ptx("BF16", kv_type, num_heads=12, width=576, page=64,
                                                  q_per_req=4, softmax_scale=0.07, kv_scale=0.5,
                                                  capacity=capacity)
     assert plan.num_splits == 1 and shared <= 227 * 1024 and warps * 32 <= 1024
     assert ptx.count(f"{name}_param_") - len(re.findall(rf"\[{name}_param_", ptx)) == 17
     try:  # the ptxas this triton assembles with (its PTX version may be newer than CUDA's)
-        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415 (optional: triton)
         ptxas = get_ptxas(90).path
     except Exception:  # noqa: BLE001 - another triton layout: the compile above must do
         return

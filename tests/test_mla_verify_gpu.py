@@ -13,8 +13,13 @@ import itertools
 
 import pytest
 import torch
-
 from test_mla_verify import Case, make_inputs
+
+from k3trt.plugins import dcp_sim
+from k3trt.plugins import mla_verify as mv
+from k3trt.plugins.merge import merge_attn_states_ref
+from k3trt.plugins.mla_verify import mla_verify_ref
+from k3trt.testing import assert_close, rel_norm_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,14 +41,13 @@ def gpu_cases():
 
 
 def reference(q, cache, table, seq_lens, case, **kw):
-    from k3trt.plugins.mla_verify import mla_verify_ref
     return mla_verify_ref(q, cache, table, seq_lens, case.q_per_req, case.width ** -0.5,
                           case.kv_scale, case.d_v, **kw)
 
 
 def run_kernel(q, cache, table, seq_lens, case, splits=None, dv_split=None, **kw):
     """The kernel through mla_triton directly, with poisoned outputs and scratch."""
-    from k3trt.plugins import mla_triton, plans
+    from k3trt.plugins import mla_triton, plans  # noqa: PLC0415 (optional: triton)
     rows = q.shape[0] // case.q_per_req
     config = plans.kernel_config(case.q_per_req * case.heads, case.d_v, cache.dtype == FP8, rows)
     if dv_split:  # the other layout of the same kernel, whichever the default is
@@ -72,7 +76,6 @@ def replay_shorter(call, seq_lens):
 
 
 def check(out, lse, ref_out, ref_lse):
-    from k3trt.testing import rel_norm_error
     assert not torch.isnan(out).any(), "NaN (unwritten or poisoned) in out"
     assert not torch.isnan(lse).any(), "NaN (unwritten or poisoned) in lse"
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows seeing no token differ"
@@ -95,7 +98,6 @@ def test_kernel_matches_reference(case, splits, dv_split):
 
 @pytest.mark.parametrize("size,rank,inter", [(2, 1, 1), (4, 3, 2), (4, 0, 3)])
 def test_kernel_dcp_and_sparse(size, rank, inter):
-    from k3trt.plugins import dcp_sim
     case = Case((0, 17, 500, 1400), 4, heads=12, width=576, d_v=512, dtype=torch.bfloat16)
     q, cache, table, seq_lens, _ = make_inputs(case, seed=rank)
     c, t = dcp_sim.shard_paged_cache(cache, table, seq_lens, size, inter)[rank]
@@ -107,7 +109,6 @@ def test_kernel_dcp_and_sparse(size, rank, inter):
 
 
 def test_op_dispatches_to_kernel_and_captures_in_graph():
-    from k3trt.plugins import mla_verify as mv
     case = Case((5, 900, 64), 4, heads=12, width=576, d_v=512, dtype=torch.bfloat16, kv_dtype=FP8,
                 kv_scale=0.5)
     q, cache, table, seq_lens, _ = make_inputs(case, device="cuda")
@@ -126,9 +127,7 @@ def test_merge_kernel():
     la[0] = float("-inf")
     a[0] = float("nan")
     la[1] = lb[1] = float("-inf")
-    from k3trt.plugins.merge import merge_attn_states_ref
     out, lse = torch.ops.k3trt.merge_attn_states(a, la, b, lb)
     ref_out, ref_lse = merge_attn_states_ref(a, la, b, lb)
-    from k3trt.testing import assert_close
     assert_close(out, ref_out, dtype=torch.bfloat16)
     assert_close(lse, ref_lse, dtype=torch.float32)

@@ -1,10 +1,11 @@
 """The whole model: prefill-then-decode over the caches equals a full recompute; determinism."""
 
 import torch
+from model_utils import BLOCK, num_blocks, step_ctx
 
 from k3trt.model.context import ModelCache
+from k3trt.model.loader import load_model
 from k3trt.testing import assert_close
-from model_utils import BLOCK, num_blocks, step_ctx
 
 
 def fresh_cache(cfg, num_seqs, max_q=0):
@@ -41,7 +42,6 @@ def test_prefill_then_decode_equals_full_recompute(tiny_model):
 
 
 def test_logits_are_deterministic_and_finite(tiny_model, tiny_ckpt):
-    from k3trt.model.loader import load_model
     cfg, model = tiny_model
     ids = torch.arange(1, 20)
     a = full_logits(cfg, model, ids)

@@ -1,22 +1,19 @@
 """Each block of the model against a plain implementation written from spec/K3_MODEL.md."""
 
-import copy
-import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from model_utils import BLOCK, num_blocks, step_ctx
 
 from k3trt.config import ModelConfig
 from k3trt.model.attn_res import attn_res
-from k3trt.model.context import ModelCache
-from k3trt.plugins.norm_act import situ_mul_reference as situ_mul
 from k3trt.model.mla import MLA
-from k3trt.model.moe import MoE, route
+from k3trt.model.moe import Experts, MoE, grouped_mm_ok, route
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import init_random_
+from k3trt.plugins.norm_act import situ_mul_reference as situ_mul
 from k3trt.testing import assert_close
-from model_utils import BLOCK, num_blocks, step_ctx
 
 
 def tiny_cfg(**text):
@@ -168,7 +165,6 @@ def test_attn_res_matches_plain_softmax_mix():
 def test_grouped_experts_match_loop_including_foreign_ids(dtype):
     """The grouped-GEMM path (no host sync) against the per-expert loop, with ids == E (another EP
     rank's expert) that must contribute nothing and experts that get no token."""
-    from k3trt.model.moe import Experts, grouped_mm_ok
     cfg = tiny_cfg(num_experts=8)
     ex = Experts(cfg, 64)
     init_random_(ex, 5)

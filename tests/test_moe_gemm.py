@@ -14,10 +14,13 @@ import itertools
 
 import pytest
 import torch
+from triton_interp import needs_triton, run_interpreted
 
+from k3trt.config import ModelConfig
+from k3trt.model.moe import Experts
+from k3trt.model.presets import preset_config
 from k3trt.plugins import moe_gemm as ops
 from k3trt.testing import assert_close
-from triton_interp import needs_triton, run_interpreted
 
 
 def make(P: int, E: int, N: int, K: int, dtype, seed: int, foreign: int = 0, device="cpu"):
@@ -94,9 +97,6 @@ def test_experts_fused_gate_up_matches_loop(kernel_path, monkeypatch):
     torch's grouped GEMM and on the kernel path (moe_gemm with gather / scatter, then moe_combine;
     their CPU bodies here), with another EP rank's ids (== E) among the choices."""
     monkeypatch.setattr(ops, "use_kernel", lambda pairs, experts, x: kernel_path)
-    from k3trt.config import ModelConfig
-    from k3trt.model.moe import Experts
-    from k3trt.model.presets import preset_config
     cfg = ModelConfig.from_dict(preset_config("tiny", 256))
     ex = Experts(cfg, 64)
     g = torch.Generator().manual_seed(0)
@@ -118,7 +118,7 @@ INTERPRETER_CASES = [(P, E, N, K, dt, foreign) for (P, E, N, K, foreign), dt in 
 
 def interpreter_main() -> None:
     """Runs in the TRITON_INTERPRET=1 subprocess: the launcher on CPU tensors vs the oracle."""
-    from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd
+    from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd  # noqa: PLC0415 (optional: triton)
     for i, (P, E, N, K, dt, foreign) in enumerate(INTERPRETER_CASES):
         dtype = getattr(torch, dt)
         x, w, offs = make(P, E, N, K, dtype, i, foreign)
@@ -144,7 +144,7 @@ def test_kernel_under_interpreter():
 @pytest.mark.gpu
 @pytest.mark.parametrize("P,N,K", [(16, 6144, 3584), (16, 3584, 3072), (256, 6144, 3584), (512, 3584, 3072)])
 def test_kernel_matches_grouped_mm_on_gpu(P, N, K):
-    from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd
+    from k3trt.plugins.moe_gemm_triton import moe_gemm_fwd  # noqa: PLC0415 (optional: triton)
     x, w, offs = make(P, 32, N, K, torch.bfloat16, P, foreign=P // 8, device="cuda")
     want = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     n = int(offs[-1])

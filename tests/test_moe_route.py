@@ -8,13 +8,15 @@ and capture / replay. Rows of y for other ranks' experts are NaN: they must neve
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from triton_interp import needs_triton, run_interpreted
 
+from k3trt.config import ModelConfig
+from k3trt.model.moe import route
+from k3trt.model.presets import preset_config
 from k3trt.plugins.moe_route import moe_combine_reference, moe_route_reference
 from k3trt.testing import assert_close
-from triton_interp import needs_triton, run_interpreted
 
 ROUTE_CASES = [  # (T, E, k, sigmoid, renormalize, bias)
     (1, 32, 16, True, True, True), (5, 40, 3, False, False, False), (3, 8, 8, True, True, False),
@@ -49,9 +51,6 @@ def combine_oracle(y, ids, w, E):
 
 @pytest.mark.parametrize("T,E,k,sigmoid,renorm,bias", ROUTE_CASES)
 def test_route_matches_the_model_router(T, E, k, sigmoid, renorm, bias):
-    from k3trt.config import ModelConfig
-    from k3trt.model.moe import route
-    from k3trt.model.presets import preset_config
     d = preset_config("tiny", 64)
     d["text_config"].update(num_experts=E, num_experts_per_token=k, num_expert_group=1, topk_group=1,
                             moe_router_activation_func="sigmoid" if sigmoid else "softmax",
@@ -85,7 +84,7 @@ def test_errors_and_opcheck():
 
 
 def interpreter_main() -> None:
-    from k3trt.plugins.moe_route_triton import moe_combine_fwd, moe_route_fwd
+    from k3trt.plugins.moe_route_triton import moe_combine_fwd, moe_route_fwd  # noqa: PLC0415 (optional: triton)
     for i, (T, E, k, sigmoid, renorm, bias) in enumerate(ROUTE_CASES):
         logits, b = route_inputs(T, E, bias, i)
         ids, w = moe_route_fwd(logits, b, k, sigmoid, renorm, 2.5)

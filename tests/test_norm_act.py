@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_interp import run_interpreted
 
 from k3trt.plugins import dispatch, norm_act_ref
 from k3trt.plugins import norm_act as na
 from k3trt.testing import TOLERANCES, assert_close
-from triton_interp import run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -265,7 +265,7 @@ INTERPRETER_CASES += [GateCase(T, H, D, dt, layout, block) for T, H, (D, block),
 
 def launchers() -> dict:
     """case type -> the Triton launcher on a case's inputs, writing a NaN-poisoned `out`."""
-    from k3trt.plugins import norm_act_triton as nt
+    from k3trt.plugins import norm_act_triton as nt  # noqa: PLC0415 (optional: triton)
 
     def poisoned(shape, dtype, device):
         return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
@@ -285,7 +285,7 @@ def interpreter_main() -> None:
     for i, case in enumerate(INTERPRETER_CASES):
         args = case.inputs(seed=i)
         check(case, args, launch[type(case)](case, *args))
-    from k3trt.plugins import norm_act_triton as nt
+    from k3trt.plugins import norm_act_triton as nt  # noqa: PLC0415 (optional: triton)
     empty = nt.rms_norm_fwd(torch.empty(0, 64), torch.ones(64), EPS)
     assert empty.shape == (0, 64)
 

@@ -16,10 +16,10 @@ import torch
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_io import write_checkpoint
 from k3trt.model.loader import build_model, load_model
+from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import checkpoint_tensors, init_random_, load_weights
-from k3trt.parallel import SINGLE, Comm, ParallelConfig, ParallelConfigError
-from k3trt.parallel import launch
+from k3trt.parallel import SINGLE, Comm, ParallelConfig, ParallelConfigError, launch
 from k3trt.parallel.cache import dcp_slot_mapping
 from k3trt.parallel.check import compare, greedy_trace, load_trace, make_prompts, worker
 from k3trt.parallel.shard import ShardError, param_part
@@ -124,8 +124,6 @@ def test_loader_gives_each_rank_its_slice(tiny_ckpt, tiny_model, layout):
 
 def test_loader_shards_a_quantized_checkpoint(tmp_path):
     """mxfp4 experts (K3's format): another EP rank's packed tensors are consumed unread."""
-    from k3trt.model.make_checkpoint import make_checkpoint
-
     ckpt = make_checkpoint("tiny", tmp_path / "mxfp4", quant="mxfp4")
     cfg, full = load_model(ckpt)
     whole = dict(full.named_parameters())

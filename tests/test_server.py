@@ -22,8 +22,16 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
 from runtime_utils import build_tiny_engine, one_thread  # noqa: E402
+
+import k3trt.serve  # noqa: E402
+from k3trt.cli import main  # noqa: E402
+from k3trt.runtime.request import RequestOutput  # noqa: E402
+from k3trt.runtime.tokenizer import Tokenizer  # noqa: E402
+from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
+from k3trt.serve.engine_loop import EngineLoop  # noqa: E402
+from k3trt.serve.output import ChoiceStream  # noqa: E402
 
 CLOSE_ID = "129282"                   # <|close|> in the K3 tokenizer
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
@@ -105,9 +113,6 @@ def test_choice_stream_reads_xtml_token_by_token(tiny_ckpt, stops, step):
     """Markers kept, other special tokens (a placeholder) dropped, a stop string cuts and ends. With
     several tokens an update (a speculative step's accepted drafts), the choice still ends at the
     token that completes the stop string: the tokens after it are not counted."""
-    from k3trt.runtime.request import RequestOutput
-    from k3trt.runtime.tokenizer import Tokenizer
-    from k3trt.serve.output import ChoiceStream
     tok = Tokenizer.from_dir(tiny_ckpt)
     ids = tok.encode(TURN.format(ph="<｜place▁holder▁no▁7｜>"), allow_special=True)
     cs, deltas, lps = ChoiceStream(0, tok, stops, thinking=True), [], []
@@ -387,9 +392,6 @@ def test_200_concurrent_streams_finish_and_free_everything(server):
 
 
 def test_engine_fault_fails_requests_in_flight_and_the_loop_goes_on():
-    from k3trt.runtime.request import RequestOutput
-    from k3trt.serve.engine_loop import EngineLoop
-
     class FlakyLLM:               # the first step raises, later ones finish everything
         counters = {"generated_tokens": 0}
 
@@ -583,10 +585,6 @@ def test_speculative_metrics_opt_out_and_cancel(server, spec_server):
 
 
 def test_serve_cli_passes_speculation(engine_dir, monkeypatch):
-    from click.testing import CliRunner
-
-    import k3trt.serve
-    from k3trt.cli import main
     seen = {}
     monkeypatch.setattr(k3trt.serve, "serve_main", lambda *a, **kw: seen.update(args=a, **kw))
     r = CliRunner().invoke(main, ["serve", str(engine_dir), "--speculative", "mtp", "--spec-tokens", "2",

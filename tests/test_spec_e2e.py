@@ -16,20 +16,23 @@ import dataclasses
 
 import pytest
 import torch
+from runtime_utils import assert_no_leak, assert_released, prompts
 
 from k3trt.engine.capacities import Capacities
+from k3trt.model.make_checkpoint import make_checkpoint
+from k3trt.runtime.kv_cache import CacheManager, CachePlan
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
+from k3trt.runtime.request import Request, Status
+from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 from k3trt.runtime.speculative import Drafter, Proposal
 from k3trt.testing import assert_close
-from runtime_utils import assert_no_leak, assert_released, prompts
 
 MAX_TOKENS = 14      # a random MoE model is chaotic: long runs let fp32 rounding (batch shapes) flip tokens
 
 
 @pytest.fixture(scope="module")
 def draft_ckpt(tmp_path_factory):
-    from k3trt.model.make_checkpoint import make_checkpoint
     return make_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny-seed1", seed=1)
 
 
@@ -270,9 +273,6 @@ def test_options_are_checked(engine):
 
 def test_drafts_go_before_anyone_is_preempted():
     """The scheduler drops a request's drafts when its blocks cannot grow, before preempting anyone."""
-    from k3trt.runtime.kv_cache import CacheManager, CachePlan
-    from k3trt.runtime.request import Request, Status
-    from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
     cache = CacheManager(CachePlan(16, 3, 2, 0, 1, 1), hybrid=True, prefix_caching=False)   # 3 blocks of 16
     s = Scheduler(SchedulerConfig(max_num_tokens=32, capacities=Capacities((1, 2), (1, 16, 32), 3),
                                   max_model_len=48, prefix_caching=False), cache)

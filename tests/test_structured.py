@@ -16,10 +16,20 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
+from k3trt.model.context import ModelCache, StepContext  # noqa: E402
 from k3trt.runtime import xtml  # noqa: E402
-from k3trt.runtime.structured import (GrammarCache, GrammarError, GrammarVocab, GuidedSpec,  # noqa: E402
-                                      apply_masks, compile_guide, pack, unpack)
+from k3trt.runtime.structured import (  # noqa: E402
+    GrammarCache,
+    GrammarError,
+    GrammarVocab,
+    GuidedSpec,
+    apply_masks,
+    compile_guide,
+    pack,
+    unpack,
+)
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer  # noqa: E402
+
 
 def validate(instance, schema) -> None:
     # imported here: the GPU machine runs this file's CUDA test without jsonschema installed
@@ -470,7 +480,6 @@ def test_unfinished_grammar_never_blocks(tok, vocab, cache, bias):
 # ---- the tiny model's real logits --------------------------------------------------------------
 def _all_logits(model, cfg, ids: list[int]) -> torch.Tensor:
     """Logits at every position by full recompute (a fresh cache each call)."""
-    from k3trt.model.context import ModelCache, StepContext
     block, T = 16, len(ids)
     nb = -(-T // block)
     cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block, num_slots=1,

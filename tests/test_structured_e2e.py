@@ -19,13 +19,18 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+import threading  # noqa: E402
+
+from runtime_utils import assert_released  # noqa: E402
+
+import k3trt.runtime.structured.runtime as sr  # noqa: E402
+from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime import xtml  # noqa: E402
 from k3trt.runtime.chat import render_ids  # noqa: E402
 from k3trt.runtime.llm import LLM, run  # noqa: E402
 from k3trt.runtime.params import RequestError, SamplingParams  # noqa: E402
 from k3trt.runtime.structured import GrammarCache, GrammarVocab, GuidedSpec, GuidedState  # noqa: E402
 from k3trt.runtime.tokenizer import Tokenizer  # noqa: E402
-from runtime_utils import assert_released  # noqa: E402
 
 
 def obj(required: list[str], **properties) -> dict:
@@ -68,7 +73,6 @@ def compile_(vocab):
 
 @pytest.fixture(scope="module")
 def llms(engine, tmp_path_factory):
-    from k3trt.model.make_checkpoint import make_checkpoint
     draft = make_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny-seed1", seed=1)
     arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft}"}
     out = {name: LLM(engine, verify_checksums=False, speculative=arg[name], spec_tokens=3) for name in SPECS}
@@ -269,9 +273,6 @@ def test_compiling_holds_up_no_one(engine, tok, monkeypatch):
     """A fresh engine builds its grammar vocabulary and compiles off the step loop: an unguided
     request runs to the end meanwhile; the guided one starts when its grammar is ready. The
     vocabulary build is held on an event, so the test does not race the compile."""
-    import threading
-
-    import k3trt.runtime.structured.runtime as sr
     ready, real = threading.Event(), sr.GrammarVocab
 
     def slow_vocab(*a, **kw):

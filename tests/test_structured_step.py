@@ -21,12 +21,22 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from runtime_utils import assert_released, one_thread  # noqa: E402
+
+from k3trt.model.context import ModelCache, StepContext  # noqa: E402
+from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime.llm import LLM  # noqa: E402
 from k3trt.runtime.params import SamplingParams  # noqa: E402
-from k3trt.runtime.structured import (GrammarCache, GrammarVocab, GuidedSpec, GuidedState,  # noqa: E402
-                                      apply_masks, fill_masks_batch, unpack)
+from k3trt.runtime.structured import (  # noqa: E402
+    GrammarCache,
+    GrammarVocab,
+    GuidedSpec,
+    GuidedState,
+    apply_masks,
+    fill_masks_batch,
+    unpack,
+)
 from k3trt.runtime.tokenizer import Tokenizer  # noqa: E402
-from runtime_utils import assert_released, one_thread, reference_greedy  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -135,7 +145,6 @@ def test_fill_masks_batch_equals_fill_masks(threads, guides, vocab):
 # ------------------------------------------------------------------------------------------ runtime
 @pytest.fixture(scope="module")
 def llms(engine, tmp_path_factory):
-    from k3trt.model.make_checkpoint import make_checkpoint
     draft = make_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny-seed1", seed=1)
     arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft}"}
     out = {name: LLM(engine, verify_checksums=False, speculative=a, spec_tokens=3) for name, a in arg.items()}
@@ -158,7 +167,6 @@ def masked_greedy(model, cfg, vocab, guide, prompt: list[int], n: int) -> list[i
 
 
 def _last_logits(model, cfg, ids):
-    from k3trt.model.context import ModelCache, StepContext
     T, bs = len(ids), 16
     nb = -(-T // bs)
     cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=bs, num_slots=1, layers=range(cfg.num_hidden_layers))

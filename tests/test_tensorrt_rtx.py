@@ -14,8 +14,15 @@ import textwrap
 import pytest
 import torch
 
-from k3trt.builder.backends import (BuildError, check_checkpoint, check_disk, check_target, estimate_build_bytes,
-                                    preflight)
+import k3trt.engine.backends as registry
+from k3trt.builder.backends import (
+    BuildError,
+    check_checkpoint,
+    check_disk,
+    check_target,
+    estimate_build_bytes,
+    preflight,
+)
 from k3trt.builder.export import StepGraph, export_graph, export_mode, model_cache
 from k3trt.builder.rank import build_rank
 from k3trt.builder.tensorrt import BuildOptions, blocking_nodes, register_plugins
@@ -24,7 +31,7 @@ from k3trt.engine.capacities import Capacities
 from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs
 from k3trt.model.context import StepContext
 from k3trt.runtime.engine import Seq, make_batch
-from k3trt.runtime.trt_session import cache_bytes, engine_layouts, prefill_inputs, prefill_slices, verify_inputs
+from k3trt.runtime.trt_session import Cuda, cache_bytes, engine_layouts, prefill_inputs, prefill_slices, verify_inputs
 
 BLOCK, MAX_SEQ = 16, 60
 needs_rtx = pytest.mark.skipif(not __import__("importlib").util.find_spec("tensorrt_rtx_bindings"),
@@ -158,7 +165,6 @@ def test_targets(monkeypatch):
         check_target("tensorrt-rtx", None)
     with pytest.raises(BuildError, match="like sm90"):
         check_target("tensorrt-rtx", "hopper")
-    import k3trt.engine.backends as registry
     monkeypatch.setattr(registry, "local_gpu_target", lambda: None)
     with pytest.raises(BuildError, match="has none"):
         check_target("tensorrt", "sm90")
@@ -372,7 +378,6 @@ def test_cuda_plumbing_of_the_session(tmp_path):
     staging, row copies and zeroing, weight upload by manifest, a captured and replayed graph,
     and zero-copy fp32 results for torch."""
     pytest.importorskip("cuda.bindings")
-    from k3trt.runtime.trt_session import Cuda
     cu = Cuda(0)
     a = cu.zeros((4, 3), torch.float32)
     src = torch.arange(12, dtype=torch.float32).view(4, 3)

