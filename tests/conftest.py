@@ -1,3 +1,8 @@
+"""Shared fixtures (a tiny checkpoint, model and engine, made once per session) and the GPU rule.
+
+GPU rule: a test that needs a CUDA GPU carries the `gpu` marker and nothing else; this file skips
+it without CUDA (pytest.importorskip stays only for genuinely optional packages)."""
+
 import logging
 
 import pytest

@@ -13,7 +13,7 @@ Backends (imported lazily; neither is needed to import k3trt):
     tensorrt-rtx   TensorRT-RTX 1.7 (module ``tensorrt_rtx_bindings``). Builds on a CPU-only
                    machine (AOT) for SM75/80/86/89/120/121. Parses the *native* graphs (the k3trt
                    ops lowered to standard ONNX, onnx_ops.native_lowerings), because it cannot take
-                   the plugins from Python (measured 2026-12-02, tests/test_tensorrt_rtx.py keeps
+                   the plugins from Python (measured 2026-12-02, tests/builder/test_tensorrt_rtx.py keeps
                    the reproductions):
                    - a Python ``IPluginCreatorV3One`` registers (True) and its ``create_plugin`` runs,
                      then the ONNX parser calls std::terminate inside libtensorrt_onnxparser_rtx

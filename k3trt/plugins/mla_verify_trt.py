@@ -6,7 +6,7 @@ TensorRT the Triton kernel's PTX, so a built engine runs the kernel without Pyth
 NOT RUN HERE. ``tensorrt`` cannot be installed in this workplace (shared/ENVIRONMENT.md) and no
 TensorRT engine can run on its GPU; this module is written to the documented ``tensorrt.plugin``
 API and checked only as far as this machine allows: the PTX it would hand over is compiled for
-SM90 and re-assembled with ptxas after the parameter rewrite below (tests/test_mla_verify.py,
+SM90 and re-assembled with ptxas after the parameter rewrite below (tests/plugins/test_mla_verify.py,
 when triton is importable). ``tensorrt`` and ``triton`` are imported inside functions only.
 
 Plugin "k3trt::mla_verify" (what the ONNX node of the same name maps to):

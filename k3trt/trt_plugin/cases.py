@@ -1,7 +1,7 @@
 """The plugin contract as test cases: per k3trt ONNX op, fresh random inputs at a named size, the
 node's attributes, and the plain-torch reference the plugin must match (the op's own reference in
-k3trt/plugins/ or export.py). tests/test_trt_plugin.py checks the build-phase shapes and dtypes on
-the CPU; tests/test_trt_plugin_gpu.py runs every case through the harness on a GPU.
+k3trt/plugins/ or export.py). tests/trt_plugin/test_trt_plugin.py checks the build-phase shapes and dtypes on
+the CPU; tests/trt_plugin/test_trt_plugin_gpu.py runs every case through the harness on a GPU.
 
 Sizes: "tiny" (the tiny preset's dims) and "k3" (K3's per-layer dims: 96 heads, latent 512 + 64
 rope, page 64, KDA 96 x 128, routed experts 3584 -> 3072, top-16, SiTU)."""

@@ -29,7 +29,7 @@ from k3trt.trt_plugin.cases import all_cases
 from k3trt.trt_plugin.harness import HarnessError, PluginHarness
 
 ARCH = ("sm_120",)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 needs_rtx = pytest.mark.skipif(not importlib.util.find_spec("tensorrt_rtx_bindings"),
                                reason="TensorRT-RTX not installed (pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
                                       "tensorrt-rtx-cu13-bindings==1.7.1.116)")

@@ -3,7 +3,7 @@
 tensors) against its plain-torch reference on fresh random inputs, NaN-poisoned outputs, per-dtype
 tolerances (k3trt.testing.TOLERANCES), at the tiny preset's and K3's per-layer shapes.
 
-    K3TRT_TRT_INCLUDE=/path/to/tensorrt/include python -m pytest -m gpu -q tests/test_trt_plugin_gpu.py
+    K3TRT_TRT_INCLUDE=/path/to/tensorrt/include python -m pytest -m gpu -q tests/trt_plugin/test_trt_plugin_gpu.py
 
 (the include dir defaults to shared/third_party/tensorrt/include beside the repository; nvcc builds
 the library for sm_90a and sm_120 once, cached under ~/.cache/k3trt).
@@ -18,7 +18,7 @@ from k3trt.testing import assert_close
 from k3trt.trt_plugin.cases import FP8, all_cases, mla_cache_write
 from k3trt.trt_plugin.harness import PluginHarness
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 token for token, however requests end (max_tokens, a stop id mid-flight, abort) or arrive, with
 prefix caching (block-boundary checkpoints) on and off; nothing leaks. On the CPU the graph
 session runs its static padded steps uncaptured (cuda_graphs=True), which is where the device ids
-go in; the GPU runs the same code under capture (tests/test_graphs_gpu.py's runtime test)."""
+go in; the GPU runs the same code under capture (tests/runtime/test_graphs_gpu.py's runtime test)."""
 
 from __future__ import annotations
 

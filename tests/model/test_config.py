@@ -83,7 +83,7 @@ def test_config_is_frozen():
         cfg.hidden_size = 3
 
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_released_kimi_linear_config_parses():

@@ -9,7 +9,7 @@ the op, the fallback, and capture / replay in a CUDA graph.
 Every case fills the caches with traps: fresh rows' slots and every slot no row owns hold NaN or
 random values that must stay bit for bit, the per-position state cache is NaN wherever the step
 must not write, and several padding rows share one trash slot (fresh, results don't-care).
-Run the GPU part with ``pytest -m gpu tests/test_kda_triton.py``.
+Run the GPU part with ``pytest -m gpu tests/plugins/test_kda_triton.py``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ through the op once it is registered, and capture / replay in a CUDA graph.
 Every input is a strided view (q, k, v column slices of one packed buffer, as the model splits its
 projection; g, beta and the state non-contiguous), and the kernel writes into NaN-filled output
 buffers, so an element it never writes fails the NaN-mask check.
-Run the GPU part with ``pytest -m gpu tests/test_kda_chunk_triton.py``.
+Run the GPU part with ``pytest -m gpu tests/plugins/test_kda_chunk_triton.py``.
 """
 
 from __future__ import annotations

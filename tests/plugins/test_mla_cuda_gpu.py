@@ -7,7 +7,7 @@ heads x 4, 24 x 2, 16 x 3, 12 x 1, 5 x 4, or in head groups as 48 x 4, 96 x 1, 1
 test's split scratch is NaN-filled (the ``nan_scratch`` fixture).
 Relative error under 1e-2, never a NaN.
 Run on the H200 (sm_90 only; the extension JIT-builds on first use):
-``pytest -m gpu tests/test_mla_cuda_gpu.py``.
+``pytest -m gpu tests/plugins/test_mla_cuda_gpu.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from k3trt.plugins import mla_cuda, plans
 from k3trt.plugins.mla_verify import mla_verify_ref
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available()
-                                 or torch.cuda.get_device_capability() != (9, 0),
+              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
                                  reason="needs an sm_90 GPU")]
 
 FP8 = torch.float8_e4m3fn

@@ -20,7 +20,7 @@ from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.testing import assert_close
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 def _sessions(tiny_ckpt):
