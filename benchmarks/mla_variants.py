@@ -71,7 +71,7 @@ def build_variant(folder: str, timeline: bool = False):
     """The SM90 extension built from `folder`'s kernel sources, a module of its own beside the
     production build: an A/B baseline, or with `timeline` the pair kernel's per-CTA phase stamps
     (-DMLA_TIMELINE, read back by mod.timeline(ctas))."""
-    from torch.utils.cpp_extension import load  # noqa: PLC0415 (heavy: only when building the extension)
+    from torch.utils.cpp_extension import load  # noqa: PLC0415 (heavy: only when building)
 
     folder = os.path.abspath(folder)
     flags = ["-DMLA_TIMELINE"] if timeline else []

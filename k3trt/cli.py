@@ -33,7 +33,7 @@ def main(log_level: str) -> None:
 @click.option("--device", default="cpu", show_default=True, help="where to generate the random weights")
 def make_checkpoint_cmd(preset: str, output: str, seed: int, quant: str, device: str) -> None:
     """Write a random-weight Kimi K3 checkpoint in the real Hugging Face layout."""
-    from k3trt.model.make_checkpoint import make_checkpoint  # noqa: PLC0415 (heavy: torch and the model code; keeps `import k3trt` and --help fast)
+    from k3trt.model.make_checkpoint import make_checkpoint  # noqa: PLC0415 (heavy: torch, model code)
     try:
         path = make_checkpoint(preset, output, seed=seed, quant=quant, device=device)
     except (FileExistsError, ValueError) as e:
@@ -80,7 +80,7 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
     capacities built from the same inputs (checkpoint, code, options, backend and target) are
     reused rather than rebuilt, unless --force."""
-    from k3trt.builder.build import build_engine  # noqa: PLC0415 (heavy: torch and the model code; keeps `import k3trt` and --help fast)
+    from k3trt.builder.build import build_engine  # noqa: PLC0415 (heavy: torch, model code)
     try:
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
@@ -110,7 +110,7 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
 def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
             regex, grammar, device, as_json) -> None:
     """Generate from ENGINE_DIR."""
-    from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch and the model code; keeps `import k3trt` and --help fast)
+    from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                   device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,

@@ -118,7 +118,7 @@ def translation_table() -> dict:
 @functools.cache
 def register_ort_ops() -> None:
     """Register one onnxruntime-extensions Python op per k3trt op (fp32 activations), once."""
-    from onnxruntime_extensions import PyCustomOpDef, onnx_op  # noqa: PLC0415 (optional: onnxruntime_extensions)
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op  # noqa: PLC0415 (optional: onnxruntime-extensions)
 
     dt = {"tensor(float)": PyCustomOpDef.dt_float, "tensor(int32)": PyCustomOpDef.dt_int32,
           "tensor(int64)": PyCustomOpDef.dt_int64}
@@ -163,7 +163,7 @@ def ort_session(onnx_path: str | Path, *, threads: int = 0):
     the model's directory, symlinks included) and removed once the session has loaded it."""
     import onnx  # noqa: PLC0415 (optional: onnx)
     import onnxruntime as ort  # noqa: PLC0415 (optional: onnxruntime)
-    from onnxruntime_extensions import get_library_path  # noqa: PLC0415 (optional: onnxruntime_extensions)
+    from onnxruntime_extensions import get_library_path  # noqa: PLC0415 (optional: onnxruntime-extensions)
 
     register_ort_ops()
     onnx_path = Path(onnx_path)

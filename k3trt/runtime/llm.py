@@ -82,7 +82,7 @@ class LLM:
     def __init__(self, engine_dir: str | Path, device: str | torch.device = "cpu", **options: Any):
         # the one strict loader, imported here: it pulls in the model code and registers the plugins,
         # which from_model does not need
-        from k3trt.model.loader import load_model  # noqa: PLC0415 (heavy: the model code and plugin registrations, which from_model does not need)
+        from k3trt.model.loader import load_model  # noqa: PLC0415 (heavy: model code, op registrations)
         t0 = time.perf_counter()
         opts = EngineOptions.from_kwargs(options)
         self.engine_dir = ed = read_engine_dir(engine_dir, backend="torch", verify_checksums=opts.verify_checksums)

@@ -43,7 +43,7 @@ class EngineModel:
     def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
         # here, not at the top: the stub provides pb, and the engine's heavy imports wait for an instance
         import torch  # noqa: PLC0415 (heavy: waits for a model instance)
-        import triton_python_backend_utils as pb  # noqa: PLC0415 (optional: exists only inside Triton's Python backend)
+        import triton_python_backend_utils as pb  # noqa: PLC0415 (optional: only inside Triton's backend)
 
         from k3trt.runtime.llm import LLM  # noqa: PLC0415 (heavy: waits for a model instance)
         self.pb = pb

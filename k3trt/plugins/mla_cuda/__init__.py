@@ -33,20 +33,9 @@ import torch
 from ..plans import split_scratch
 from . import constants
 from .constants import D_QK, D_V, PAGE, SCHEDULES, TIMEOUT_NAMES
-from .schedule import (  # noqa: F401
-    DEFAULT_SCHEDULE,
-    FP8,
-    FULL_SPLIT_BLOCKS,
-    MIN_SPLIT_BLOCKS,
-    SWAP_MIN_BATCH,
-    default_plan,
-    default_splits,
-    pick_schedule,
-    sm_count,
-    swap_head_group,
-    tiles,
-    wave_splits,
-)
+from .schedule import (DEFAULT_SCHEDULE, FP8, FULL_SPLIT_BLOCKS, MIN_SPLIT_BLOCKS,  # noqa: F401
+                       SWAP_MIN_BATCH, default_plan, default_splits, pick_schedule, sm_count,
+                       swap_head_group, tiles, wave_splits)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +47,7 @@ EXTENSION = "k3trt_mla_sm90"
 
 def header_dir(name: str) -> str:
     """Where the build of extension `name` finds mla_constants.h: beside torch's build cache."""
-    from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415 (heavy: only when building the extension)
+    from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415 (heavy: only when building)
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return os.path.join(root, name + "_include")
@@ -67,7 +56,7 @@ def header_dir(name: str) -> str:
 @functools.lru_cache(maxsize=1)
 def load_extension(verbose: bool = False):
     """JIT-build (or load the cached build of) the extension; raises on a compiler error."""
-    from torch.utils.cpp_extension import load  # noqa: PLC0415 (heavy: only when building the extension)
+    from torch.utils.cpp_extension import load  # noqa: PLC0415 (heavy: only when building)
 
     t0 = time.time()
     include = constants.write_header(header_dir(EXTENSION))
