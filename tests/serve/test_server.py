@@ -17,12 +17,12 @@ import time
 import urllib.request
 
 import pytest
+from click.testing import CliRunner
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from click.testing import CliRunner  # noqa: E402
 from runtime_utils import build_tiny_engine, one_thread  # noqa: E402
 
 import k3trt.serve  # noqa: E402

@@ -12,6 +12,8 @@ bias never makes an invalid token possible."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +21,6 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-import threading  # noqa: E402
 
 from runtime_utils import assert_released  # noqa: E402
 
@@ -232,7 +233,10 @@ def test_grammar_fault_ends_only_its_request(spec, llms, tok, compile_, states):
     prompt = tok.encode("Example: " + EXAMPLE)
     params = SamplingParams(max_tokens=40, guided=guide)
     rids = [llm.add_request(prompt, params) for _ in range(4)]
-    llm.step()                                            # grammars attached, prefills run
+    llm.step()
+    while any(llm.loop.requests[r].guided is None for r in rids):   # this LLM's grammar vocabulary may
+        time.sleep(0.01)                                            # still be building (off the loop)
+        llm.step()                                        # then: grammars attached, prefills run
 
     def boom(*a, **k):
         raise RuntimeError("matcher exploded")
