@@ -41,18 +41,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from harness import Progress, cpu_ceilings, machine, measure, record, write_json  # benchmarks/ is on sys.path
+from roofline import Sizes, roofline, with_roofline
+from torch._library.custom_ops import CustomOpDef
 
+from k3trt.config import ModelConfig
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
-from k3trt.config import ModelConfig
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import init_random_
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-
-from harness import Progress, cpu_ceilings, machine, measure, record, write_json  # benchmarks/ is on sys.path
-from roofline import Sizes, roofline, with_roofline
 
 log = logging.getLogger("e2e")
 VOCAB = 129408          # the tokenizer's vocabulary rounded up, as make_checkpoint makes it
@@ -235,7 +235,6 @@ def engine_cases(run: Run, model, sz: Sizes, ceil: dict) -> None:
 def plugin_kernels_off():
     """Every k3trt op's CUDA kernel disabled for the block: each runs its plain-torch reference
     (the "no plugins" baseline). Yields the ops' names."""
-    from torch._library.custom_ops import CustomOpDef
     ops = {id(v): v for name, mod in list(sys.modules.items()) if name.startswith("k3trt.plugins")
            for v in vars(mod).values() if isinstance(v, CustomOpDef) and "cuda" in getattr(v, "_backend_fns", {})}
     for op in ops.values():
@@ -251,8 +250,8 @@ def plugin_kernels_off():
 def hf_cases(run: Run, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
     a = run.args
     try:
-        import e2e_hf
-        import transformers  # optional: the baseline is skipped without it
+        import e2e_hf  # noqa: PLC0415 (optional: transformers)
+        import transformers  # noqa: PLC0415 (optional: transformers)
     except Exception as e:
         why = f"transformers does not import: {type(e).__name__}: {e}"
         log.warning("hf baseline skipped: %s", why)

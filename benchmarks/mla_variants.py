@@ -9,6 +9,11 @@ import os
 import statistics
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from k3trt.plugins import mla_cuda
+from k3trt.plugins.mla_verify import mla_verify_ref
+from k3trt.testing import rel_norm_error
 
 Q_ROWS = 4  # query rows a request (K3's speculative verification)
 D_QK, D_V = 576, 512
@@ -66,9 +71,8 @@ def build_variant(folder: str, timeline: bool = False):
     """The SM90 extension built from `folder`'s kernel sources, a module of its own beside the
     production build: an A/B baseline, or with `timeline` the pair kernel's per-CTA phase stamps
     (-DMLA_TIMELINE, read back by mod.timeline(ctas))."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # noqa: PLC0415 (heavy: only when building)
 
-    from k3trt.plugins import mla_cuda
     folder = os.path.abspath(folder)
     flags = ["-DMLA_TIMELINE"] if timeline else []
     name = f"{mla_cuda.EXTENSION}_{hashlib.sha1(f'{folder}:{timeline}'.encode()).hexdigest()[:8]}"
@@ -81,7 +85,6 @@ def build_variant(folder: str, timeline: bool = False):
 def variant_call(mod, schedule, q, inp, kv_scale, splits=None):
     """fn() -> (out, lse): build `mod` run as the op runs the production one (its default splits,
     split rule and merge), with `schedule` (None: pick_schedule's)."""
-    from k3trt.plugins import mla_cuda
     batch, heads = inp.table.shape[0], q.shape[1]
     schedule, auto = mla_cuda.default_plan(inp.cache.dtype, batch, Q_ROWS, heads, 0, schedule)
     splits = splits or auto
@@ -99,8 +102,6 @@ def variant_call(mod, schedule, q, inp, kv_scale, splits=None):
 
 def ab_cell(variants, inp, heads, kv, ceil, resident):
     """One cell of --ab: µs of every variant (B: the production build) and each one's error."""
-    from k3trt.plugins.mla_verify import mla_verify_ref
-    from k3trt.testing import rel_norm_error
     batch, ctx = inp.table.shape[0], inp.seq_lens[0].item()
     kv_scale = 0.25 if kv == "fp8" else 1.0
     q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
@@ -128,7 +129,6 @@ def kernel_us(fn, calls: int = 20) -> dict:
     """Mean device µs per call of each kernel fn launches (verify, merge), from CUPTI records. The
     merge is a programmatic dependent launch whose CTAs start at once and wait for the verify grid,
     so its device time spans the verify kernel's: graph minus verify is what the merge adds."""
-    from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -175,7 +175,6 @@ def timeline_summary(mod, fn, ctas: int) -> dict:
 def breakdown_cell(inp, heads, kv, ceil, timeline_mod):
     """One cell of --breakdown: device µs of the verify and merge kernels, the graph time, the KV
     read time at the copy rate; with a timeline build, the pair kernel's phase times."""
-    from k3trt.plugins import mla_cuda
     batch, ctx = inp.table.shape[0], inp.seq_lens[0].item()
     kv_scale = 0.25 if kv == "fp8" else 1.0
     q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)

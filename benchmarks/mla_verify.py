@@ -42,10 +42,15 @@ import sys
 import time
 
 import torch
-
 from harness import command, measure
-from mla_variants import (D_QK, D_V, Q_ROWS, ab_cell, breakdown_cell, build_variant, graph_time_us,
-                          parse_ab)
+from mla_variants import D_QK, D_V, Q_ROWS, ab_cell, breakdown_cell, build_variant, graph_time_us, parse_ab
+
+import k3trt.plugins.mla_verify  # noqa: F401  (registers torch.ops.k3trt.mla_verify)
+from k3trt.plugins import mla_cuda
+from k3trt.plugins.mla_verify import gather_pages, mla_verify_ref
+from k3trt.plugins.plans import KernelConfig, kernel_config
+from k3trt.plugins.plans import make_plan as mk
+from k3trt.testing import rel_norm_error
 
 PAGE = 64
 FP8 = torch.float8_e4m3fn
@@ -86,8 +91,6 @@ def parse_cells(text: str, flag: str, sep: str = ",") -> list[tuple[int, int, in
 def parse_config(spec: str, rows: int):
     """'n64w4s2d2' (BLOCK_N 64, 4 warps, 2 stages, d_v split over 2 programs; 'd' optional)
     → KernelConfig for `rows` folded rows."""
-    from k3trt.plugins.plans import KernelConfig, kernel_config
-
     body, _, dvs = spec.partition("d")
     n, rest = body[1:].split("w")
     w, s = rest.split("s")
@@ -95,8 +98,6 @@ def parse_config(spec: str, rows: int):
 
 
 def make_plan(batch, q_rows, heads, spec, kv_fp8, splits=None):
-    from k3trt.plugins.plans import make_plan as mk
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return mk(batch, q_rows, heads, D_QK, D_V, kv_fp8=kv_fp8, num_sms=sms,
               config=parse_config(spec, q_rows * heads), num_splits=splits)
@@ -104,8 +105,7 @@ def make_plan(batch, q_rows, heads, spec, kv_fp8, splits=None):
 
 def _warm_one(key):
     """Compile one kernel specialisation in a worker (fills the shared Triton cache)."""
-    import k3trt.plugins.mla_verify  # noqa: F401
-    from k3trt.plugins import mla_triton
+    from k3trt.plugins import mla_triton  # noqa: PLC0415 (optional: triton)
 
     spec, kv, q_rows, heads, split = key
     kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
@@ -129,8 +129,6 @@ def precompile(keys, workers):
 
 def torch_verify(q, cache, table, seq_lens, q_rows, scale, kv_scale):
     """Plain torch: gather every page of the table, bf16 matmuls, fp32 softmax."""
-    from k3trt.plugins.mla_verify import gather_pages
-
     batch = table.shape[0]
     kv = gather_pages(cache, table.long()).reshape(batch, -1, D_QK).to(q.dtype)
     if cache.dtype == FP8:
@@ -174,21 +172,17 @@ def kernel_call(spec, batch, q_rows, heads, kv_fp8):
     test: "cuda" = the SM90 CUDA kernel as the op runs it on the H200 (its default splits, split
     rule and merge), else a Triton config name (parse_config) launched per its capacity plan."""
     if spec == "cuda":
-        from k3trt.plugins import mla_cuda
         _, splits = mla_cuda.default_plan(mla_cuda.FP8 if kv_fp8 else torch.bfloat16, batch, q_rows,
                                           heads)
         return (lambda q, c, t, n, sc, ks: mla_cuda.mla_verify_cuda(q, c, t, n, q_rows, sc, ks, D_V,
                                                                     splits)), splits
-    from k3trt.plugins import mla_triton
+    from k3trt.plugins import mla_triton  # noqa: PLC0415 (optional: triton)
     plan = make_plan(batch, q_rows, heads, spec, kv_fp8)
     return (lambda q, c, t, n, sc, ks: mla_triton.mla_verify_fwd(plan, q, c, t, n, q_rows, sc, ks,
                                                                  D_V)), plan.num_splits
 
 
 def run_case(inp, heads, batch, ctx, kv, spec, ceil, baselines):
-    from k3trt.plugins.mla_verify import mla_verify_ref
-    from k3trt.testing import rel_norm_error
-
     kv_fp8 = kv == "fp8"
     scale, kv_scale = 192 ** -0.5, (0.25 if kv_fp8 else 1.0)
     q = torch.randn(batch * Q_ROWS, heads, D_QK, device="cuda", dtype=torch.bfloat16)
@@ -257,7 +251,6 @@ def cells_by_cache(shapes, kvs, resident):
 
 def kernel_modes(args, shapes, kvs, ceil):
     """--ab or --breakdown: rows, printed as they come."""
-    from k3trt.plugins import mla_cuda
     if args.ab:
         variants = {label: (mla_cuda.load_extension() if folder == "." else build_variant(folder),
                             schedule) for label, folder, schedule in parse_ab(args.ab)}
@@ -324,11 +317,9 @@ def main(argv=None):
     if keys:
         precompile(list(keys.values()), args.workers)
     if "cuda" in specs:
-        from k3trt.plugins import mla_cuda
         mla_cuda.load_extension()
     ceil = measure()
     print(json.dumps(ceil), flush=True)
-    import k3trt.plugins.mla_verify  # noqa: F401
 
     rows = []
     for kv, inp, heads in cells_by_cache(shapes, kvs, args.resident):

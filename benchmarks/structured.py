@@ -52,15 +52,22 @@ import time
 from pathlib import Path
 
 import torch
-
-from k3trt.builder.build import build_engine
-from k3trt.model.make_checkpoint import VOCAB_MULTIPLE, make_checkpoint
-from k3trt.runtime.llm import LLM
-from k3trt.runtime.params import SamplingParams
-
 from harness import Progress, record, version, write_json
 from harness import machine as machine_info
-from harness import measure as measure_ceilings   # benchmarks/ (the script's folder) is on sys.path
+from harness import measure as measure_ceilings  # benchmarks/ (the script's folder) is on sys.path
+
+from k3trt.builder.build import build_engine
+from k3trt.config import ModelConfig
+from k3trt.engine.build_config import DTYPES, BuildConfig
+from k3trt.engine.capacities import Capacities
+from k3trt.model.loader import build_model
+from k3trt.model.make_checkpoint import VOCAB_MULTIPLE, make_checkpoint
+from k3trt.model.presets import preset_config
+from k3trt.model.weights import init_random_
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
+from k3trt.runtime.structured.state import GuidedState
+from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 
 log = logging.getLogger("structured")
 
@@ -88,12 +95,6 @@ def engine_for(work: Path, dtype: str, max_batch: int, max_num_tokens: int) -> P
 
 def model_for(preset: str, device: str, dtype: str, work: Path, seed: int = 0):
     """(model, tokenizer dir): a preset built on `device` with random weights drawn there."""
-    from k3trt.engine.build_config import DTYPES
-    from k3trt.config import ModelConfig
-    from k3trt.model.loader import build_model
-    from k3trt.model.presets import preset_config
-    from k3trt.model.weights import init_random_
-    from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         tok_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,6 @@ class Probe:
     KEYS = ("launch", "cut", "fill", "hidden", "commit", "apply", "apply_hidden")
 
     def __init__(self, llm: LLM):
-        from k3trt.runtime.structured.state import GuidedState
         self.llm, self.cuda = llm, llm.session.device.type == "cuda"
         self.armed = False
         self.arm()
@@ -308,8 +308,6 @@ def main() -> None:
         def make_llm(mode: str, k: int | None) -> LLM:
             return LLM(engine, device=args.device, verify_checksums=False, speculative=mode, spec_tokens=k, **options)
     else:
-        from k3trt.engine.build_config import BuildConfig
-        from k3trt.engine.capacities import Capacities
         model, tok_dir = model_for(args.preset, args.device, dtype, args.workdir)
         build = BuildConfig(dtype=dtype, block_size=64, max_num_tokens=max_num_tokens,
                             max_seq_len=args.prompt_len + args.max_tokens + 64)

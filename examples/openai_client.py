@@ -16,11 +16,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import socket
 import tempfile
 import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
+
+from k3trt.builder.build import build_engine
+from k3trt.model.make_checkpoint import make_checkpoint
+from k3trt.serve import ServeConfig, ServerThread
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
@@ -35,11 +40,6 @@ PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blu
 @contextlib.contextmanager
 def tiny_server(workdir: Path, speculative: str = "ngram"):
     """Build the tiny engine (once) and serve it on a free loopback port for the duration."""
-    import socket
-
-    from k3trt.builder.build import build_engine
-    from k3trt.model.make_checkpoint import make_checkpoint
-    from k3trt.serve import ServeConfig, ServerThread
     ckpt, engine = workdir / "tiny-ckpt", workdir / "tiny-engine"
     if not ckpt.exists():
         make_checkpoint("tiny", ckpt, seed=0)

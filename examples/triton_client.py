@@ -25,6 +25,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from k3trt.builder.build import build_engine
+from k3trt.model.make_checkpoint import make_checkpoint
+from k3trt.triton import launch, write_model_repository
+
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                          "n": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["color", "n"]}
@@ -85,9 +89,6 @@ def demo(http: str, grpc: str, model: str, tiny: bool) -> None:
 @contextlib.contextmanager
 def tiny_triton(workdir: Path):
     """The tiny engine in a fresh repository, served by the nvidia-pytriton wheel's tritonserver."""
-    from k3trt.builder.build import build_engine
-    from k3trt.model.make_checkpoint import make_checkpoint
-    from k3trt.triton import launch, write_model_repository
     ckpt, engine = workdir / "tiny-ckpt", workdir / "tiny-engine"
     if not ckpt.exists():
         make_checkpoint("tiny", ckpt, seed=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ def main(log_level: str) -> None:
 @click.option("--device", default="cpu", show_default=True, help="where to generate the random weights")
 def make_checkpoint_cmd(preset: str, output: str, seed: int, quant: str, device: str) -> None:
     """Write a random-weight Kimi K3 checkpoint in the real Hugging Face layout."""
-    from k3trt.model.make_checkpoint import make_checkpoint
+    from k3trt.model.make_checkpoint import make_checkpoint  # noqa: PLC0415 (heavy: torch, model code)
     try:
         path = make_checkpoint(preset, output, seed=seed, quant=quant, device=device)
     except (FileExistsError, ValueError) as e:
@@ -88,8 +89,8 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
     capacities built from the same inputs (checkpoint, code, options, backend and target) are
     reused rather than rebuilt, unless --force."""
-    from k3trt.builder.build import build_engine
-    from k3trt.parallel.config import ParallelConfig
+    from k3trt.builder.build import build_engine  # noqa: PLC0415 (heavy: torch, model code)
+    from k3trt.parallel.config import ParallelConfig  # noqa: PLC0415 (heavy: torch)
     try:
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
@@ -120,9 +121,7 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
 def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
             regex, grammar, device, as_json) -> None:
     """Generate from ENGINE_DIR."""
-    import json
-
-    from k3trt.runtime.llm import run
+    from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                   device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
@@ -148,7 +147,7 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch, speculative,
               spec_tokens) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
-    from k3trt.serve import serve_main
+    from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"max_batch": max_batch} if max_batch else {}
     if speculative != "none":
         opts["speculative"] = speculative
@@ -173,7 +172,7 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
 @click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
 def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, speculative) -> None:
     """Write a Triton Inference Server model repository serving ENGINE_DIR."""
-    from k3trt.triton import triton_repo_main
+    from k3trt.triton import triton_repo_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"engine_options": {"speculative": speculative}} if speculative else {}
     try:
         path = triton_repo_main(engine_dir, output, instances, max_batch, device=device,

@@ -1,9 +1,17 @@
+"""Shared fixtures (a tiny checkpoint, model and engine, made once per session) and the GPU rule.
+
+GPU rule: a test that needs a CUDA GPU carries the `gpu` marker and nothing else; this file skips
+it without CUDA (pytest.importorskip stays only for genuinely optional packages)."""
+
 import logging
 
 import pytest
 import torch
+from runtime_utils import build_tiny_engine
 
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
+from k3trt.model.loader import load_model
+from k3trt.model.make_checkpoint import make_checkpoint
 
 # Tiny models are latency-bound: one thread is faster than two fighting over CI's 2 cores.
 torch.set_num_threads(1)
@@ -21,14 +29,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A tiny random-weight K3 checkpoint, made once per test session."""
-    from k3trt.model.make_checkpoint import make_checkpoint
     return make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_ckpt):
     """(cfg, model) loaded in fp32 on the CPU; tests must not modify its parameters."""
-    from k3trt.model.loader import load_model
     return load_model(tiny_ckpt, dtype=torch.float32)
 
 
@@ -41,5 +47,4 @@ def _quiet_logs(caplog):
 def engine(tiny_ckpt, tmp_path_factory):
     """The runtime tests' torch engine dir over tiny_ckpt (fp32; see runtime_utils.build_tiny_engine).
     Tests must not modify it; copy it first."""
-    from runtime_utils import build_tiny_engine
     return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("engine") / "engine")

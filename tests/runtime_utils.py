@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 
+from k3trt.builder.build import build_engine
 from k3trt.model.context import ModelCache, StepContext
 
 BLOCK = 16
@@ -55,7 +56,6 @@ def prompts(seed: int, lengths: list[int], vocab: int = 120000) -> list[list[int
 
 def build_tiny_engine(ckpt, out, **kw):
     """The runtime tests' engine: fp32, verify capacities 1/2/4, 32 tokens per step, blocks of 16."""
-    from k3trt.builder.build import build_engine
     args = dict(dtype="fp32", capacities=[1, 2, 4], max_num_tokens=32, spec_tokens=0, block_size=BLOCK)
     return build_engine(ckpt, out, **{**args, **kw})
 

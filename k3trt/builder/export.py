@@ -20,6 +20,7 @@ cache through ``mla_verify`` (the naive path slices by the Python context length
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def export_mode(cfg: ModelConfig, max_q: int, *, native: bool = False):
     """The substitutions of the module doc, undone on exit; `native` also swaps every k3trt op for
     its plain-torch lowering (onnx_ops.native_lowerings), so the graph has standard ONNX ops only.
     Not thread-safe (module attributes are patched); the builder exports one graph at a time."""
-    from k3trt.builder.onnx_ops import native_lowerings
+    from k3trt.builder.onnx_ops import native_lowerings  # noqa: PLC0415 (cycle: onnx_ops imports this module)
 
     ns = torch.ops.k3trt
     ops = native_lowerings() if native else {}
@@ -191,9 +192,9 @@ def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str 
                  example_slots: int | None = None) -> Path:
     """Export one capacity's graph to `path` (weights in ``<path>.data``); onnx.checker runs on it.
     `native`: the k3trt ops lowered to standard ONNX (for TensorRT-RTX), not plugin nodes."""
-    import onnx
+    import onnx  # noqa: PLC0415 (optional: onnx)
 
-    from k3trt.builder.onnx_ops import translation_table
+    from k3trt.builder.onnx_ops import translation_table  # noqa: PLC0415 (cycle: onnx_ops imports this module)
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +239,7 @@ def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str 
 def _name_dynamic_dims(path: Path, ins: list[TensorSpec]) -> None:
     """The exporter names dynamic dims after its symbols (s15); give them the spec's names, which
     the engine profiles and the session use."""
-    import onnx
+    import onnx  # noqa: PLC0415 (optional: onnx)
 
     model = onnx.load(str(path), load_external_data=False)
     rename = {}
@@ -263,9 +264,7 @@ def share_weights(paths: list[Path], data_name: str = "weights.bin", table: Weig
     says (a rebuild's table starts with the files of the graphs it reuses); new ones are appended
     to `data_name`, which is created only when something is appended. Tensor by tensor: a
     K3-sized file is never held in memory."""
-    import hashlib
-
-    import onnx
+    import onnx  # noqa: PLC0415 (optional: onnx)
 
     paths = [Path(p) for p in paths]
     data = paths[0].parent / data_name

@@ -40,8 +40,12 @@ from typing import Callable
 
 import torch
 
+from k3trt.builder.export import example_inputs, model_cache  # also registers the export-only wrapper ops
+from k3trt.engine.graph_io import cache_specs
+from k3trt.model.context import StepContext
 from k3trt.plugins import ONNX_OPS
 from k3trt.plugins.onnx_spec import OnnxOp
+from k3trt.testing import assert_close
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +58,14 @@ BY_TORCH_NAME = {op.torch_name: op for op in OPS}
 BY_OP_TYPE = {op.op_type: op for op in OPS}
 
 
-def _ensure_torch_ops() -> None:
-    import k3trt.builder.export  # noqa: F401  (registers the export-only wrapper ops)
-
-
 # ------------------------------------------------------------------------------ ONNX schemas
 @functools.cache
 def register_schemas() -> None:
     """Register an ``onnx.defs.OpSchema`` per op (once): onnxscript needs it to emit the node, and
     ``onnx.checker`` to check the graph."""
-    import onnx.defs
-    from onnx.defs import OpSchema
+    import onnx.defs  # noqa: PLC0415 (optional: onnx)
+    from onnx.defs import OpSchema  # noqa: PLC0415 (optional: onnx)
 
-    _ensure_torch_ops()
     kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "str": OpSchema.AttrType.STRING}
     for op in OPS:
         if onnx.defs.has(op.op_type, DOMAIN):
@@ -87,7 +86,7 @@ def register_schemas() -> None:
 def _translation(op: OnnxOp) -> Callable:
     """A tracing-mode translation: bind the FX node's arguments by the torch schema, tensors become
     node inputs and scalars attributes (ENVIRONMENT.md: an @onnxscript.script function fails here)."""
-    import onnxscript
+    import onnxscript  # noqa: PLC0415 (optional: onnxscript)
 
     opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
     args = op.schema_args()
@@ -119,9 +118,8 @@ def translation_table() -> dict:
 @functools.cache
 def register_ort_ops() -> None:
     """Register one onnxruntime-extensions Python op per k3trt op (fp32 activations), once."""
-    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op  # noqa: PLC0415 (optional: onnxruntime-extensions)
 
-    _ensure_torch_ops()
     dt = {"tensor(float)": PyCustomOpDef.dt_float, "tensor(int32)": PyCustomOpDef.dt_int32,
           "tensor(int64)": PyCustomOpDef.dt_int64}
     attr_dt = {"int": PyCustomOpDef.dt_int64, "float": PyCustomOpDef.dt_float, "str": PyCustomOpDef.dt_string}
@@ -163,9 +161,9 @@ def ort_session(onnx_path: str | Path, *, threads: int = 0):
     """An onnxruntime CPU session for an exported graph, its k3trt nodes run by the Python ops.
     The renamed copy is written beside the original (onnxruntime refuses external data outside
     the model's directory, symlinks included) and removed once the session has loaded it."""
-    import onnx
-    import onnxruntime as ort
-    from onnxruntime_extensions import get_library_path
+    import onnx  # noqa: PLC0415 (optional: onnx)
+    import onnxruntime as ort  # noqa: PLC0415 (optional: onnxruntime)
+    from onnxruntime_extensions import get_library_path  # noqa: PLC0415 (optional: onnxruntime-extensions)
 
     register_ort_ops()
     onnx_path = Path(onnx_path)
@@ -186,10 +184,6 @@ def ort_session(onnx_path: str | Path, *, threads: int = 0):
 def reference_outputs(model, cfg, spec, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What an exported graph must compute: the model run eagerly the way the runtime runs it (a
     plain StepContext: the naive MLA path for prefill, the experts loop)."""
-    from k3trt.builder.export import model_cache
-    from k3trt.engine.graph_io import cache_specs
-    from k3trt.model.context import StepContext
-
     Q, S = spec.q_per_req, spec.num_seqs
     ctx_lens = tuple(int(n) - Q for n in inputs["seq_lens"])
     ctx = StepContext((Q,) * S, ctx_lens, inputs["slot_mapping"], inputs["block_table"], inputs["kda_slots"],
@@ -207,10 +201,8 @@ def check_graph(onnx_path: str | Path, model, cfg, spec, *, native: bool = False
     """Run an exported graph in onnxruntime (CPU) on example inputs (k3trt nodes by the Python ops,
     or none when `native`) and compare every output with the eager model (export.reference_outputs).
     Raises AssertionError naming the output and its worst element; returns max |error| per output."""
-    import onnxruntime as ort
+    import onnxruntime as ort  # noqa: PLC0415 (optional: onnxruntime)
 
-    from k3trt.builder.export import example_inputs
-    from k3trt.testing import assert_close
 
     if not native and spec.dtype != torch.float32:
         raise ValueError(f"the onnxruntime check of plugin graphs runs fp32 only (the Python ops are "

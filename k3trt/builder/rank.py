@@ -19,18 +19,27 @@ import dataclasses
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from k3trt.builder.backends import BuildError
+from k3trt.builder.export import export_graph, share_weights
+from k3trt.builder.onnx_ops import OPS, check_graph
 from k3trt.builder.tensorrt import BuildOptions, EngineReport, build_engine, register_plugins
 from k3trt.engine.backends import MODULES, Backend, load_backend
 from k3trt.engine.engine_dir import sha256_file
 from k3trt.engine.graph_io import GraphSpec, graph_specs
+from k3trt.model.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +53,6 @@ class ModelSource:
     dtype: Any                        # torch.dtype
 
     def load(self):
-        from k3trt.model.loader import load_model
         return load_model(self.checkpoint, dtype=self.dtype)
 
 
@@ -92,9 +100,6 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
     `previous` (with `inputs_digest`): a capacity whose key (capacity_key) equals the one in its
     previous manifest, and whose previous files match their checksums, is linked, not rebuilt
     (unless `force`); the digests of linked files go into `known_digests` (rank-dir paths)."""
-    from k3trt.builder.export import share_weights
-    from k3trt.builder.onnx_ops import OPS, check_graph
-
     if backend not in MODULES:
         raise BuildError(f"unknown TensorRT backend {backend!r}; choose one of {sorted(MODULES)}")
     if workers > 1 and not isinstance(model, ModelSource):
@@ -151,9 +156,6 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
 
 def _export(model, cfg, spec, rank_dir: Path, i: int, *, native: bool, check: bool, total: int, **_) -> Path:
     """One capacity's graph (checked by onnxruntime when `check`), its weights in its own data file."""
-    from k3trt.builder.export import export_graph
-    from k3trt.builder.onnx_ops import check_graph
-
     log.info("[%d/%d] %s: export (%s graph)", i, total, spec.name, "native" if native else "plugin")
     path = export_graph(model, cfg, spec, rank_dir / f"{spec.name}.onnx", native=native)
     if check:
@@ -173,7 +175,7 @@ def _adopt(previous: Previous, rank_dir: Path, specs, keys: dict[str, str],
            known: dict[str, str]) -> tuple[dict[str, EngineReport], dict]:
     """Link the files of every capacity whose previous key matches and whose files are intact;
     returns their reports and the weight table restricted to the data files linked."""
-    import onnx
+    import onnx  # noqa: PLC0415 (optional: onnx)
 
     prev, digests = previous.rank_dir, previous.digests
     checked: dict[str, bool] = {}
@@ -241,9 +243,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(source: ModelSource, cfg, level: int, threads: int) -> None:
-    import sys
-
-    import torch
 
     logging.basicConfig(level=level, stream=sys.stderr, datefmt="%H:%M:%S",
                         format=f"%(asctime)s %(levelname)s [worker {os.getpid()}] %(name)s: %(message)s")
@@ -271,11 +270,6 @@ def _build_parallel(source: ModelSource, cfg, todo, position: dict[str, int], ra
                     jobs: dict) -> None:
     """Exports, then engines, on `workers` spawned processes; the weights are shared here, in
     capacity order, as each export arrives (the serial build's order, so the same files)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    from k3trt.builder.export import share_weights
 
     threads = max(1, (os.cpu_count() or 1) // workers)
     level = logging.getLogger("k3trt").getEffectiveLevel()

@@ -13,7 +13,7 @@ Backends (imported lazily; neither is needed to import k3trt):
     tensorrt-rtx   TensorRT-RTX 1.7 (module ``tensorrt_rtx_bindings``). Builds on a CPU-only
                    machine (AOT) for SM75/80/86/89/120/121. Parses the *native* graphs (the k3trt
                    ops lowered to standard ONNX, onnx_ops.native_lowerings), because it cannot take
-                   the plugins from Python (measured 2026-12-02, tests/test_tensorrt_rtx.py keeps
+                   the plugins from Python (measured 2026-12-02, tests/builder/test_tensorrt_rtx.py keeps
                    the reproductions):
                    - a Python ``IPluginCreatorV3One`` registers (True) and its ``create_plugin`` runs,
                      then the ONNX parser calls std::terminate inside libtensorrt_onnxparser_rtx
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from k3trt.builder.backends import BuildError, check_target
+from k3trt.builder.onnx_ops import BY_OP_TYPE
 from k3trt.engine.backends import Backend
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,6 @@ WEIGHT_INPUT_MIN_ELEMENTS = 4096     # smaller initializers stay constants (norm
 # ------------------------------------------------------------------------------ plugins
 def register_plugins(backend: Backend, op_types: set[str]) -> None:
     """Make the plugins for `op_types` known to the backend, or say which cannot be."""
-    from k3trt.builder.onnx_ops import BY_OP_TYPE
-
     if backend.is_rtx:
         raise BuildError(f"TensorRT-RTX cannot load the k3trt plugins from Python ({sorted(op_types)}): its ONNX "
                          "parser aborts on Python IPluginCreatorV3One plugins and refuses tensorrt.plugin ones; "
@@ -118,8 +117,8 @@ class EngineReport:
 def weights_to_inputs(onnx_path: Path, out_path: Path, min_elements: int = WEIGHT_INPUT_MIN_ELEMENTS) -> list[dict]:
     """Write a copy of the graph whose large initializers are graph inputs; returns their manifest
     (name, dtype, shape, location, offset, length: where the session reads each from)."""
-    import onnx
-    from onnx import helper
+    import onnx  # noqa: PLC0415 (optional: onnx)
+    from onnx import helper  # noqa: PLC0415 (optional: onnx)
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     manifest = []
@@ -202,7 +201,7 @@ def _load_timing_cache(backend: Backend, config, path: Path | None):
 
 def _dynamic_dims(onnx_path: Path) -> dict[str, dict[int, str]]:
     """input name -> {axis: dim name} for the graph's named dynamic dims (export.DYNAMIC_DIMS)."""
-    import onnx
+    import onnx  # noqa: PLC0415 (optional: onnx)
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     return {v.name: {i: d.dim_param for i, d in enumerate(v.type.tensor_type.shape.dim) if d.dim_param}

@@ -51,7 +51,7 @@ def build_lock(output: str | Path) -> Iterator[Path]:
     output.parent.mkdir(parents=True, exist_ok=True)
     path = output.parent / f".{output.name}.lock"
     try:
-        import fcntl              # POSIX only
+        import fcntl  # noqa: PLC0415 (optional: POSIX only)
     except ImportError:            # not POSIX: no lock, no cleanup of leftovers (they are ignored)
         yield path
         return

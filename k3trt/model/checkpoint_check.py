@@ -15,6 +15,7 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_io import CheckpointError, CheckpointReader
+from k3trt.model.k3 import K3ForCausalLM
 from k3trt.model.layout import PREFIX_ALIASES, SKIP_PREFIXES, checkpoint_prefix, copy_of, source, template
 from k3trt.model.quant import WEIGHT_SUFFIXES, inspect_linear_weight
 
@@ -59,7 +60,6 @@ class Expected:
 
 def expected_tensors(cfg: ModelConfig) -> list[Expected]:
     """Every checkpoint tensor the config's model needs (whole, unsharded), from a meta model."""
-    from k3trt.model.k3 import K3ForCausalLM      # the model pulls in the op registrations
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     prefix, out = checkpoint_prefix(cfg), []

@@ -11,6 +11,7 @@ import torch
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
 from k3trt.config import ModelConfig
 from k3trt.model.k3 import K3ForCausalLM
+from k3trt.model.mla import rope_inv_freq
 from k3trt.model.weights import load_weights
 from k3trt.parallel.comm import SINGLE, Comm
 
@@ -28,7 +29,6 @@ def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device:
         # non-persistent buffers (rope frequencies) do not survive to_empty: rebuild them
         for mod in model.modules():
             if hasattr(mod, "inv_freq"):
-                from k3trt.model.mla import rope_inv_freq
                 mod.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)[0].to(device)
     return model.to(dtype).eval()
 

@@ -21,6 +21,7 @@ from k3trt.model.checkpoint_io import write_checkpoint
 from k3trt.model.layout import vision_shapes
 from k3trt.model.loader import build_model
 from k3trt.model.presets import PRESETS, preset_config
+from k3trt.model.quant import fp8_quantization_config, mxfp4_quantization_config
 from k3trt.model.weights import checkpoint_tensors, init_random_
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 
@@ -81,5 +82,4 @@ def _vision_tensors(raw: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def quant_config(quant: str) -> dict:
-    from k3trt.model.quant import fp8_quantization_config, mxfp4_quantization_config
     return {"fp8": fp8_quantization_config, "mxfp4": mxfp4_quantization_config}[quant]()

@@ -11,7 +11,7 @@
 The model takes a ``comm`` (default: single process, byte-for-byte the old behaviour):
 ``load_model(ckpt, comm=TorchComm(ParallelConfig(tp=8, dcp=8, ep=8, rank=r)))``.
 
-Run here (CPU, gloo, tests/test_parallel.py; fp32): greedy tokens equal to one process and logits
+Run here (CPU, gloo, tests/parallel/test_parallel.py; fp32): greedy tokens equal to one process and logits
 within 5e-5 for TP 2, DCP 2 (interleave 1, 4), DCP 4, EP 2, TP2 × DCP2 × EP2, TP2 × DCP4 × EP2,
 TP4 × DCP4 × EP4 and TP4 × DCP2 × EP4 on the tiny preset with 4 KDA heads, over chunked prefill,
 decode, verification with KDA rollback, and the MTP layer; the sharded loader on the tiny

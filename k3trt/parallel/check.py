@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 
 from k3trt.model.context import StepContext
+from k3trt.model.loader import load_model
 from k3trt.parallel.cache import allocate_cache, dcp_slot_mapping
-from k3trt.parallel.comm import Comm
+from k3trt.parallel.comm import Comm, TorchComm
+from k3trt.parallel.config import ParallelConfig
+from k3trt.testing import assert_close
 
 BLOCK = 16
 
@@ -116,8 +119,6 @@ def greedy_trace(model, comm: Comm, prompts: list[torch.Tensor], *, decode_steps
 
 def compare(got: Trace, ref: Trace, *, atol: float, rtol: float, rel_norm: float, name: str = "") -> None:
     """Raise AssertionError unless the tokens are equal and every step's logits are close."""
-    from k3trt.testing import assert_close
-
     if got.tokens != ref.tokens:
         raise AssertionError(f"{name}: greedy tokens differ: {got.tokens} vs single-process {ref.tokens}")
     if got.accepted != ref.accepted:
@@ -132,10 +133,6 @@ def worker(rank: int, ckpt: str, layouts: list[dict], out_dir: str, device: str 
     """One rank (torch.distributed already initialised): for each layout (ParallelConfig fields but
     rank), load this rank's shard of `ckpt`, run the schedule, save the Trace to
     ``out_dir/{i}.rank{rank}.pt``. Every rank runs every layout, in order."""
-    from k3trt.model.loader import load_model
-    from k3trt.parallel.comm import TorchComm
-    from k3trt.parallel.config import ParallelConfig
-
     for i, fields in enumerate(layouts):
         comm = TorchComm(ParallelConfig(**fields, rank=rank))
         cfg, model = load_model(ckpt, dtype=dtype, device=device, comm=comm)

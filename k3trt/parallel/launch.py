@@ -35,6 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k3trt.model.loader import load_model
+from k3trt.parallel.check import compare, greedy_trace, load_trace, make_prompts, worker
+from k3trt.parallel.comm import SINGLE
+from k3trt.parallel.config import ParallelConfig
+from k3trt.testing import rel_norm_error
+
 # Forced in every rank before NCCL starts (not defaults: a value left over in the shell must
 # not switch multicast back on).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -87,21 +93,13 @@ def spawn(fn, world_size: int, *args, backend: str | None = None) -> None:
 
 # ------------------------------------------------------------------------------ the check
 def _check_rank(rank, ckpt, layout, out_dir, device_kind, dtype):
-    from k3trt.parallel.check import worker
-
     device = f"cuda:{torch.cuda.current_device()}" if device_kind == "cuda" else "cpu"
     worker(rank, ckpt, [layout], out_dir, device, dtype)
 
 
 def _reference_and_compare(ckpt, layout, out_dir, device, dtype) -> dict:
-    from k3trt.model.loader import load_model
-    from k3trt.parallel.check import compare, greedy_trace, load_trace, make_prompts
-    from k3trt.parallel.comm import SINGLE
-    from k3trt.parallel.config import ParallelConfig
-
     cfg, model = load_model(ckpt, dtype=dtype, device=device)
     ref = greedy_trace(model, SINGLE, make_prompts(cfg.vocab_size), device=device)
-    from k3trt.testing import rel_norm_error
 
     world = ParallelConfig(**layout).world_size
     # fp32: sums reordered only; bf16: relative norm as bf16 allows, loose elementwise (small logits)
@@ -133,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", help="directory for the per-rank traces (default: a temporary one)")
     a = ap.parse_args(argv)
-    from k3trt.parallel.config import ParallelConfig
 
     layout = dict(tp=a.tp, dcp=a.dcp, ep=a.ep, dcp_interleave=a.interleave)
     world = ParallelConfig(**layout).world_size

@@ -6,7 +6,7 @@ TensorRT the Triton kernel's PTX, so a built engine runs the kernel without Pyth
 NOT RUN HERE. ``tensorrt`` cannot be installed in this workplace (shared/ENVIRONMENT.md) and no
 TensorRT engine can run on its GPU; this module is written to the documented ``tensorrt.plugin``
 API and checked only as far as this machine allows: the PTX it would hand over is compiled for
-SM90 and re-assembled with ptxas after the parameter rewrite below (tests/test_mla_verify.py,
+SM90 and re-assembled with ptxas after the parameter rewrite below (tests/plugins/test_mla_verify.py,
 when triton is importable). ``tensorrt`` and ``triton`` are imported inside functions only.
 
 Plugin "k3trt::mla_verify" (what the ONNX node of the same name maps to):
@@ -52,10 +52,10 @@ def compile_ptx(q_type: str, kv_type: str, *, num_heads: int, width: int, page: 
     q_type / kv_type are TensorRT type names ("BF16", "FP16", "FP8"). Returns (kernel name, PTX
     text, num_warps, shared bytes, plan) where plan (plans.VerifyPlan) fixes the grid."""
     # triton (and the kernel module, which imports it) only when a TensorRT build asks for PTX
-    import triton
-    from triton.backends.compiler import GPUTarget
+    import triton  # noqa: PLC0415 (optional: triton)
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415 (optional: triton)
 
-    from . import mla_triton
+    from . import mla_triton  # noqa: PLC0415 (optional: triton)
 
     # without a static batch, assume a full GPU's worth of requests (the large-batch tiles)
     plan = make_plan(capacity or 1024, q_per_req, num_heads, width, d_v, kv_fp8=kv_type == "FP8",
@@ -106,8 +106,8 @@ def register(target_cc: int = 90) -> None:
     global _registered
     if _registered:
         return
-    import tensorrt as trt
-    import tensorrt.plugin as trtp
+    import tensorrt as trt  # noqa: PLC0415 (optional: tensorrt)
+    import tensorrt.plugin as trtp  # noqa: PLC0415 (optional: tensorrt)
 
     @trtp.register(PLUGIN_ID)
     def _desc(q: trtp.TensorDesc, kv_cache: trtp.TensorDesc, block_table: trtp.TensorDesc,

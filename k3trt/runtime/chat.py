@@ -303,8 +303,8 @@ _SENTINEL = "\ue000{}\ue001"
 def _compile(template: str):
     """The template in a sandbox configured as transformers' apply_chat_template configures it (its
     `tojson` takes json.dumps keyword arguments; `raise_exception` raises ValueError)."""
-    import jinja2.ext        # optional dependency, needed only for checkpoint templates
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2.ext  # noqa: PLC0415 (optional: jinja2)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415 (optional: jinja2)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

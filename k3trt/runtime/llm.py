@@ -82,7 +82,7 @@ class LLM:
     def __init__(self, engine_dir: str | Path, device: str | torch.device = "cpu", **options: Any):
         # the one strict loader, imported here: it pulls in the model code and registers the plugins,
         # which from_model does not need
-        from k3trt.model.loader import load_model
+        from k3trt.model.loader import load_model  # noqa: PLC0415 (heavy: model code, op registrations)
         t0 = time.perf_counter()
         opts = EngineOptions.from_kwargs(options)
         self.engine_dir = ed = read_engine_dir(engine_dir, backend="torch", verify_checksums=opts.verify_checksums)
@@ -230,7 +230,7 @@ def run(engine_dir: str | Path, prompt: str, **kwargs: Any) -> dict[str, Any]:
     """One prompt through a fresh engine: what `k3trt run ... --json` prints (oneshot.run has the
     keyword arguments: chat, max_tokens, temperature, seed, device, speculative, json_schema, regex,
     grammar, and engine options)."""
-    from k3trt.runtime.oneshot import run as run_once  # oneshot imports this module
+    from k3trt.runtime.oneshot import run as run_once  # noqa: PLC0415 (cycle: oneshot imports this module)
     return run_once(engine_dir, prompt, **kwargs)
 
 

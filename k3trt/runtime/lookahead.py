@@ -18,7 +18,7 @@ A step is launched ahead only when nothing about it can change on the host:
     checkpoint is copied at the start of the next scheduled step: N+1 would already have moved it).
 A request that N ends (EOS, max_tokens, abort) still has a row in N+1: the row is ignored, and the
 blocks and KDA slot it releases are reused only by steps queued after N+1 on the same stream.
-Greedy output is unchanged token for token (tests/test_lookahead.py).
+Greedy output is unchanged token for token (tests/runtime/test_lookahead.py).
 
 `Lookahead` is the step loop's (loop.py) handle on this: it holds the launched step and is told
 everything it decides on (the session, the cache, the plan, whether requests wait); it counts

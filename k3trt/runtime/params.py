@@ -133,7 +133,8 @@ def _guided_spec(value: Any) -> GuidedSpec:
     """The GuidedSpec of what a caller passes as ``guided`` (module doc). Imported here, not at the
     top: structured/ imports this module, and xgrammar is only needed by requests that ask for it."""
     try:
-        from k3trt.runtime.structured import CompiledGuide, GrammarError, GuidedSpec
+        from k3trt.runtime.structured import (  # noqa: PLC0415 (cycle: structured imports this module)
+            CompiledGuide, GrammarError, GuidedSpec)
     except ImportError as e:
         raise RequestError("guided", f"structured output is unavailable: {e}") from None
     if isinstance(value, GuidedSpec):

@@ -277,7 +277,7 @@ class _TiktokenBackend:
     Tokenizer uses (tokens as byte-level strings, added tokens all special)."""
 
     def __init__(self, name: str, ranks: dict[bytes, int], added: dict[int, str]) -> None:
-        import tiktoken  # optional dependency; _load_tiktoken checked that it is installed
+        import tiktoken  # noqa: PLC0415 (optional: tiktoken)
 
         self._enc = tiktoken.Encoding(f"kimi-{name}", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                       special_tokens={c: i for i, c in added.items()})

@@ -26,11 +26,13 @@ fresh sequence's KDA slot is zeroed first.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from k3trt.config import ModelConfig
@@ -206,7 +208,7 @@ class Cuda:
     """The few runtime calls the session needs, on one device and one stream."""
 
     def __init__(self, device: int):
-        from cuda.bindings import runtime as rt
+        from cuda.bindings import runtime as rt  # noqa: PLC0415 (optional: cuda-python)
 
         self.rt = rt
         self._ok(rt.cudaSetDevice(device))
@@ -231,9 +233,6 @@ class Cuda:
         return a
 
     def pinned(self, nbytes: int):
-        import ctypes
-
-        import numpy as np
         ptr = int(self._ok(self.rt.cudaMallocHost(max(nbytes, 1))))
         return ptr, np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr))
 
@@ -251,7 +250,6 @@ class Cuda:
         self._ok(self.rt.cudaMemsetAsync(a.ptr + row * a.row_bytes, 0, a.row_bytes, self.stream))
 
     def load_weights(self, rank_dir: Path, entries: list[dict]) -> dict[str, DeviceArray]:
-        import numpy as np
         out = {}
         for w in entries:
             if w["name"] in out:

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3trt.runtime.llm import LLM
+from k3trt.serve.app import ServerState, create_app
+from k3trt.serve.engine_loop import EngineLoop
+
 log = logging.getLogger(__name__)
 
 
@@ -31,10 +35,6 @@ class ServeConfig:
 
 def build_app(cfg: ServeConfig, llm: Any = None):
     """The Starlette app for `cfg` (loads the engine unless `llm` is given)."""
-    from k3trt.runtime.llm import LLM
-    from k3trt.serve.app import ServerState, create_app
-    from k3trt.serve.engine_loop import EngineLoop
-
     if cfg.max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {cfg.max_queue}")
     owns = llm is None
@@ -49,7 +49,7 @@ def build_app(cfg: ServeConfig, llm: Any = None):
 
 
 def _uvicorn(cfg: ServeConfig, app: Any):
-    import uvicorn
+    import uvicorn  # noqa: PLC0415 (optional: serve extras)
     return uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                          timeout_graceful_shutdown=5, access_log=False))
 

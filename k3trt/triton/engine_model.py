@@ -42,10 +42,10 @@ METRICS_PERIOD_S = 0.5
 class EngineModel:
     def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
         # here, not at the top: the stub provides pb, and the engine's heavy imports wait for an instance
-        import torch
-        import triton_python_backend_utils as pb
+        import torch  # noqa: PLC0415 (heavy: waits for a model instance)
+        import triton_python_backend_utils as pb  # noqa: PLC0415 (optional: only inside Triton's backend)
 
-        from k3trt.runtime.llm import LLM
+        from k3trt.runtime.llm import LLM  # noqa: PLC0415 (heavy: waits for a model instance)
         self.pb = pb
         forward_logs(pb)
         cfg = json.loads(args["model_config"])

@@ -20,6 +20,8 @@ nvidia-pytriton 0.7.0):
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib.util
 import logging
 import os
 import shutil
@@ -53,7 +55,6 @@ def _pip(*args: str) -> None:
 def pytriton_site(cache: Path | None = None, install: bool = True) -> Path:
     """The site dir holding pytriton/tritonserver: importable here, else in `cache`, else installed
     there with pip (--no-deps: its numpy<2 pin concerns only its own wrapper)."""
-    import importlib.util
     spec = importlib.util.find_spec("pytriton")
     found = [Path(spec.origin).parents[1]] if spec and spec.origin else []
     site = (cache or default_cache()) / "pytriton"
@@ -103,7 +104,6 @@ def _die_with_parent() -> None:
     """In the child (Linux): SIGTERM when the process that started it dies, however it dies, so a
     killed test run leaves no server behind."""
     try:
-        import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
     except Exception:
         pass

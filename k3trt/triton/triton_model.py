@@ -26,9 +26,9 @@ class TritonPythonModel:
                 sys.path.insert(0, path)
         role = params.get("k3trt_role", "engine")
         if role == "engine":
-            from k3trt.triton.engine_model import EngineModel as Impl
+            from k3trt.triton.engine_model import EngineModel as Impl  # noqa: PLC0415 (after the sys.path insert)
         elif role == "unary":
-            from k3trt.triton.unary_model import UnaryModel as Impl
+            from k3trt.triton.unary_model import UnaryModel as Impl  # noqa: PLC0415 (after the sys.path insert)
         else:
             raise RuntimeError(f"unknown k3trt_role {role!r} (engine or unary)")
         self._impl = Impl()

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class UnaryModel:
     def initialize(self, args: dict[str, Any], params: dict[str, str]) -> None:
-        import triton_python_backend_utils as pb
+        import triton_python_backend_utils as pb  # noqa: PLC0415 (optional: only inside Triton's backend)
         self.pb = pb
         forward_logs(pb)
         self.target = params["target_model"]

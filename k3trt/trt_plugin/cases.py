@@ -1,7 +1,7 @@
 """The plugin contract as test cases: per k3trt ONNX op, fresh random inputs at a named size, the
 node's attributes, and the plain-torch reference the plugin must match (the op's own reference in
-k3trt/plugins/ or export.py). tests/test_trt_plugin.py checks the build-phase shapes and dtypes on
-the CPU; tests/test_trt_plugin_gpu.py runs every case through the harness on a GPU.
+k3trt/plugins/ or export.py). tests/trt_plugin/test_trt_plugin.py checks the build-phase shapes and dtypes on
+the CPU; tests/trt_plugin/test_trt_plugin_gpu.py runs every case through the harness on a GPU.
 
 Sizes: "tiny" (the tiny preset's dims) and "k3" (K3's per-layer dims: 96 heads, latent 512 + 64
 rope, page 64, KDA 96 x 128, routed experts 3584 -> 3072, top-16, SiTU)."""
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import k3trt.builder.export  # noqa: F401  (registers the export-only wrapper ops)
 from k3trt.plugins.cache_write_ref import mla_cache_write_reference
 from k3trt.plugins.dcp import local_len
 from k3trt.plugins.kda_ref import kda_chunked_reference, kda_recurrent_reference, short_conv_reference
@@ -135,7 +136,10 @@ def kda_recurrent(size: str, dtype, device, gen, *, save_all=True, batched=True)
     B, T, H, dk, dv = {"tiny": (2, 3, 2, 32, 32), "k3": (8, 4, 96, 128, 128)}[size]
     inputs = _kda_inputs(B if batched else 0, T, H, dk, dv, dtype, device, gen)
     attrs = {"scale": dk ** -0.5, "save_all": int(save_all)}
-    ref = lambda: list(kda_recurrent_reference(*inputs, attrs["scale"], save_all))
+
+    def ref():
+        return list(kda_recurrent_reference(*inputs, attrs["scale"], save_all))
+
     return Case(f"{size}-{dtype}-save{int(save_all)}-b{int(batched)}", "KdaRecurrent", inputs, attrs, ref)
 
 
@@ -144,7 +148,10 @@ def kda_chunked(size: str, dtype, device, gen, *, batched=False) -> Case:
     B, T, H, dk, dv, chunk = {"tiny": (2, 20, 2, 32, 32, 8), "k3": (1, 256, 96, 128, 128, 64)}[size]
     inputs = _kda_inputs(B if batched else 0, T, H, dk, dv, dtype, device, gen)
     attrs = {"scale": dk ** -0.5, "chunk_size": chunk}
-    ref = lambda: list(kda_chunked_reference(*inputs, attrs["scale"], chunk))
+
+    def ref():
+        return list(kda_chunked_reference(*inputs, attrs["scale"], chunk))
+
     # the plugin runs the recurrence: equal to the chunked form up to fp32 rounding
     return Case(f"{size}-{dtype}-b{int(batched)}", "KdaChunked", inputs, attrs, ref,
                 tol={torch.float32: {"atol": 1e-4, "rtol": 1e-3, "rel_norm": 1e-4}})
@@ -156,16 +163,16 @@ def short_conv(size: str, dtype, device, gen, *, save_all=True, batched=True, st
     lead = (B, T) if batched else (T,)
     inputs = [_rand(gen, (*lead, C), dtype, device), _rand(gen, (C, 1, K), dtype, device, 0.5),
               _rand(gen, (*((B,) if batched else ()), C, K - 1), state_dtype, device)]
-    ref = lambda: list(short_conv_reference(*inputs, save_all))
+
+    def ref():
+        return list(short_conv_reference(*inputs, save_all))
+
     return Case(f"{size}-{dtype}-{state_dtype}-save{int(save_all)}-b{int(batched)}", "ShortConv", inputs,
                 {"save_all": int(save_all)}, ref)
 
 
 # ------------------------------------------------------------------------------ MoE
 def moe_experts(size: str, dtype, device, gen, *, activation="situ") -> Case:
-    # registers torch.ops.k3trt.moe_experts, the reference; imported here because it pulls in the model
-    import k3trt.builder.export  # noqa: F401
-
     T, W, I, E, k = {"tiny": (5, 64, 32, 8, 2), "k3": (8, 3584, 3072, 32, 16)}[size]
     beta, linear_beta = (4.0, 25.0) if activation == "situ" else (0.0, 0.0)
     scores = torch.randn(T, E, generator=gen)
@@ -175,7 +182,10 @@ def moe_experts(size: str, dtype, device, gen, *, activation="situ") -> Case:
               _rand(gen, (E, I, W), dtype, device, W ** -0.5), _rand(gen, (E, I, W), dtype, device, W ** -0.5),
               _rand(gen, (E, W, I), dtype, device, I ** -0.5)]
     attrs = {"activation": activation, "beta": beta, "linear_beta": linear_beta}
-    ref = lambda: [torch.ops.k3trt.moe_experts(*inputs, activation, beta, linear_beta)]
+
+    def ref():
+        return [torch.ops.k3trt.moe_experts(*inputs, activation, beta, linear_beta)]
+
     return Case(f"{size}-{dtype}-{activation}", "MoeExperts", inputs, attrs, ref)
 
 

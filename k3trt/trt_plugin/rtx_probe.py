@@ -12,7 +12,7 @@ So the probe re-runs itself with ``LD_LIBRARY_PATH`` holding a ``libtensorrt_rtx
 
 Each step prints ``STEP <name>`` before it runs and ``DONE <name> ...`` after, flushed, so that
 when RTX aborts the process the last STEP line names the call that did not return; run it in a
-subprocess (tests/test_trt_plugin.py does). docs/trt_plugins.md records what it shows.
+subprocess (tests/trt_plugin/test_trt_plugin.py does). docs/trt_plugins.md records what it shows.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def step(name: str, fn):
 
 
 def probe(ops: list[str], library: str | None) -> int:
-    import tensorrt_rtx_bindings as trt  # optional dependency: only this probe needs it
+    import tensorrt_rtx_bindings as trt  # noqa: PLC0415 (optional: tensorrt_rtx)
 
     class Logger(trt.ILogger):
         """Warnings and errors, plus the builder's per-layer lines (the engine's layer information)."""

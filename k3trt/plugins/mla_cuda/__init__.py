@@ -47,7 +47,7 @@ EXTENSION = "k3trt_mla_sm90"
 
 def header_dir(name: str) -> str:
     """Where the build of extension `name` finds mla_constants.h: beside torch's build cache."""
-    from torch.utils.cpp_extension import get_default_build_root  # heavy: only when building
+    from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415 (heavy: only when building)
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return os.path.join(root, name + "_include")
@@ -56,7 +56,7 @@ def header_dir(name: str) -> str:
 @functools.lru_cache(maxsize=1)
 def load_extension(verbose: bool = False):
     """JIT-build (or load the cached build of) the extension; raises on a compiler error."""
-    from torch.utils.cpp_extension import load  # heavy: only when building
+    from torch.utils.cpp_extension import load  # noqa: PLC0415 (heavy: only when building)
 
     t0 = time.time()
     include = constants.write_header(header_dir(EXTENSION))

@@ -15,9 +15,18 @@ from pathlib import Path
 
 import torch
 
-from k3trt.runtime.speculative.acceptance import (AcceptanceStats, Accepted, accept_greedy, accept_stochastic,
-                                                  pad_drafts, pad_q)
-from k3trt.runtime.speculative.drafter import DraftInput, Drafter, NoDrafter, Proposal
+from k3trt.runtime.speculative.acceptance import (
+    AcceptanceStats,
+    Accepted,
+    accept_greedy,
+    accept_stochastic,
+    pad_drafts,
+    pad_q,
+)
+from k3trt.runtime.speculative.draft_model import DraftModelDrafter
+from k3trt.runtime.speculative.drafter import Drafter, DraftInput, NoDrafter, Proposal
+from k3trt.runtime.speculative.layer_skip import LayerSkipDrafter
+from k3trt.runtime.speculative.mtp import MTPDrafter
 from k3trt.runtime.speculative.ngram import NgramConfig, NgramDrafter
 
 MAX_SPEC_TOKENS = 7
@@ -53,7 +62,6 @@ def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target
     if spec == "ngram":
         return NgramDrafter()
     if spec.startswith("draft:"):
-        from k3trt.runtime.speculative.draft_model import DraftModelDrafter
         path = Path(spec[len("draft:"):])
         if not (path / "config.json").is_file():
             raise ValueError(f"--speculative {spec}: {path} is not a checkpoint directory (no config.json); "
@@ -63,12 +71,10 @@ def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target
     if spec == "mtp":
         if target is None:
             raise ValueError("--speculative mtp needs the target model (its MTP layers)")
-        from k3trt.runtime.speculative.mtp import MTPDrafter
         return MTPDrafter(target, target.cfg, **kw)
     if spec.startswith("layerskip:"):
         n = spec[len("layerskip:"):]
         if target is None or not n.isdigit():
             raise ValueError(f"--speculative {spec}: needs the target model and a layer count (layerskip:N)")
-        from k3trt.runtime.speculative.layer_skip import LayerSkipDrafter
         return LayerSkipDrafter(target, int(n), graphs=graphs, **kw)
     raise ValueError(f"unknown --speculative {spec!r}; choose none, ngram, draft:DIR, mtp or layerskip:N")

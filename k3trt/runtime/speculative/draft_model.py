@@ -33,8 +33,9 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache, StepContext
+from k3trt.model.loader import load_model
 from k3trt.runtime import sampling
-from k3trt.runtime.speculative.drafter import DraftInput, Drafter, Proposal, common_prefix
+from k3trt.runtime.speculative.drafter import Drafter, DraftInput, Proposal, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,6 @@ class DraftModelDrafter(Drafter):
     def from_checkpoint(cls, ckpt_dir: str | Path, *, target_cfg: ModelConfig | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         **kw) -> "DraftModelDrafter":
-        from k3trt.model.loader import load_model      # the one strict loader
         cfg, model = load_model(ckpt_dir, dtype=dtype, device=device)
         if target_cfg is not None and cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"draft checkpoint {ckpt_dir} has vocab_size {cfg.vocab_size} but the target has "

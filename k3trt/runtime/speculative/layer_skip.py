@@ -29,6 +29,7 @@ from k3trt.engine.capacities import power_of_two_capacities
 from k3trt.model.k3 import K3ForCausalLM, K3Model
 from k3trt.runtime.engine import Seq, make_batch
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
+from k3trt.runtime.kv_cache import CachePlan
 from k3trt.runtime.speculative.draft_model import BlockList, DraftModelDrafter, SeqStep
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,6 @@ def _graph_session(model: LayerSkipModel, num_blocks: int, block_size: int, max_
     """A GraphSession over the draft model: steps of 1 token per request (the draft steps) and of 2
     (the catch-up after a fully accepted block: the last draft and the bonus token) at power-of-two
     capacities up to max_live; its cache (max_q = k_max for the per-step KDA states) is the drafter's."""
-    from k3trt.runtime.kv_cache import CachePlan
     p = next(model.parameters())
     plan = CachePlan(block_size=block_size, num_blocks=num_blocks, max_live=max_live, num_checkpoints=0,
                      bytes_per_block=0, bytes_per_slot=0)

@@ -131,17 +131,17 @@ class MTPDrafter(Drafter):
                 st.valid, st.hidden = n - 2, st.hidden[-1:]
             rows = live
             for j in range(max(w for *_, w in live)):
-                if j:
-                    keep = [a for a, r in enumerate(rows) if r[3] > j]
-                    rows, prev = [rows[a] for a in keep], g[keep]
-                    steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 2 + j, st.blocks, 0)
-                             for i, inp, st, _ in rows]
                 g, logits = self._step(steps, prev)
                 toks, q = pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
                                self.sample_drafts)
                 for (i, *_), t, qr in zip(rows, toks, q):
                     out.tokens[i].append(t)
                     qs[i].append(qr)
+                # the next step's rows: the sequences that want more than j + 1 drafts
+                keep = [a for a, r in enumerate(rows) if r[3] > j + 1]
+                rows, prev = [rows[a] for a in keep], g[keep]
+                steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 1 + j, st.blocks, 0)
+                         for i, inp, st, _ in rows]
         for i in qs:
             out.probs[i] = stack_q(qs[i])
         return out

@@ -36,7 +36,7 @@ def xgr() -> Any:
     """xgrammar, imported on first use: it is slow to import (it pulls in transformers) and only
     requests with a grammar need it."""
     try:
-        import xgrammar
+        import xgrammar  # noqa: PLC0415 (optional: xgrammar)
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("structured output needs the xgrammar package "
                           "(pip install xgrammar)") from e

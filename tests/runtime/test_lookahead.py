@@ -1,0 +1,91 @@
+"""Decoding one step ahead (runtime/lookahead.py): greedy output equals the synchronous loop's
+token for token, however requests end (max_tokens, a stop id mid-flight, abort) or arrive, with
+prefix caching (block-boundary checkpoints) on and off; nothing leaks. On the CPU the graph
+session runs its static padded steps uncaptured (cuda_graphs=True), which is where the device ids
+go in; the GPU runs the same code under capture (tests/runtime/test_graphs_gpu.py's runtime test)."""
+
+from __future__ import annotations
+
+import pytest
+from runtime_utils import assert_released, prompts
+
+from k3trt.runtime import lookahead
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
+
+LENGTHS = [5, 30, 12, 3]
+MAX_TOKENS = [20, 9, 14, 20]
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Each prompt alone through the synchronous loop (no static steps, so nothing runs ahead)."""
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=False)
+    ps = prompts(11, LENGTHS)
+    outs = [llm.generate([p], SamplingParams(max_tokens=n))[0].token_ids for p, n in zip(ps, MAX_TOKENS)]
+    assert llm.stats()["launched_ahead"] == 0
+    return ps, outs
+
+
+def params(want: list[int], n: int, stop_at: int | None) -> SamplingParams:
+    """max_tokens n; with stop_at, the token generated at that index ends the request (a stop id
+    the host only sees after the next step was launched)."""
+    stop = [want[stop_at]] if stop_at is not None and want[stop_at] not in want[:stop_at] else []
+    return SamplingParams(max_tokens=n, stop_token_ids=stop)
+
+
+def expected(want: list[int], p: SamplingParams) -> list[int]:
+    for i, t in enumerate(want):
+        if t in p.stop_token_ids:
+            return want[:i + 1]
+    return want
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_ahead_equals_synchronous(engine, reference, prefix_caching):
+    ps, want = reference
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=prefix_caching, block_size=16)
+    ps_params = [params(w, n, 4 if i == 1 else None) for i, (w, n) in enumerate(zip(want, MAX_TOKENS))]
+    outs = llm.generate(ps, ps_params)
+    assert [o.token_ids for o in outs] == [expected(w, p) for w, p in zip(want, ps_params)]
+    assert llm.stats()["launched_ahead"] > 0
+    assert_released(llm)
+
+
+def test_arrivals_and_abort_while_a_step_is_ahead(engine, reference):
+    ps, want = reference
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=False)
+    ids, done = {}, {}
+
+    def collect(outs):
+        for o in outs:
+            if o.finished:
+                done[ids[o.request_id]] = o
+
+    ids[llm.add_request(ps[0], SamplingParams(max_tokens=MAX_TOKENS[0]))] = 0
+    ids[victim := llm.add_request(ps[3], SamplingParams(max_tokens=MAX_TOKENS[3]))] = 3
+    for _ in range(4):
+        collect(llm.step())
+    assert llm.loop.lookahead.launched is not None   # decoding, one step launched ahead
+    ids[llm.add_request(ps[2], SamplingParams(max_tokens=MAX_TOKENS[2]))] = 2   # arrives mid-flight
+    llm.abort(victim)                             # ends while the launched step holds its row
+    while llm.has_unfinished():
+        collect(llm.step())
+    assert done[0].token_ids == want[0] and done[2].token_ids == want[2]
+    assert done[3].finish_reason == "abort"
+    assert llm.stats()["launched_ahead"] > 0
+    assert_released(llm)
+
+
+def test_a_failed_launch_ahead_loses_nothing(engine, reference, monkeypatch):
+    """If launching ahead fails, the step's own tokens still commit and decoding goes on in step."""
+    ps, want = reference
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(lookahead, "launch_ahead", broken)
+    outs = llm.generate(ps[:2], [SamplingParams(max_tokens=n) for n in MAX_TOKENS[:2]])
+    assert [o.token_ids for o in outs] == want[:2]
+    assert llm.stats()["launched_ahead"] == 0
+    assert_released(llm)
