@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from k3trt.config import ModelConfig
-from k3trt.model.checkpoint_io import write_checkpoint
+from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.model.layout import vision_shapes
 from k3trt.model.loader import build_model
 from k3trt.model.presets import PRESETS, preset_config

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from k3trt.cli import main
 from k3trt.config import ModelConfig
-from k3trt.model.checkpoint_io import CheckpointReader, write_checkpoint
+from k3trt.model.checkpoint_io import CheckpointReader
+from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.model.layout import vision_shapes
 from k3trt.model.loader import build_model, load_model
 from k3trt.model.make_checkpoint import make_checkpoint

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3trt.model import checkpoint_io as cio
-from k3trt.model.checkpoint_io import (INDEX_NAME, CheckpointError, CheckpointReader,
-                                       MissingTensorError, write_checkpoint)
+from k3trt.model import checkpoint_write as ciow
+from k3trt.model.checkpoint_io import INDEX_NAME, CheckpointError, CheckpointReader, MissingTensorError
+from k3trt.model.checkpoint_write import write_checkpoint
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -102,14 +103,14 @@ def test_interrupted_write_leaves_no_valid_looking_file(tmp_path, monkeypatch):
     def boom(f, t):
         f.write(b"\0" * 3)
         raise KeyboardInterrupt
-    monkeypatch.setattr(cio, "_write_tensor_bytes", boom)
+    monkeypatch.setattr(ciow, "_write_tensor_bytes", boom)
     with pytest.raises(KeyboardInterrupt):
         write_checkpoint(tmp_path, {"x": torch.ones(4)}, max_shard_bytes=100)
     assert list(tmp_path.iterdir()) == []
     # Rewriting over a checkpoint drops its index first, so an interruption leaves no index.
     monkeypatch.undo()
     d, _ = _ckpt(tmp_path)
-    monkeypatch.setattr(cio, "_write_tensor_bytes", boom)
+    monkeypatch.setattr(ciow, "_write_tensor_bytes", boom)
     with pytest.raises(KeyboardInterrupt):
         write_checkpoint(d, _tensors(), max_shard_bytes=300)
     assert not (d / INDEX_NAME).exists() and not list(d.glob(".*partial"))

@@ -11,7 +11,8 @@ from hf_utils import hf_logits, hf_model, save
 from model_utils import BLOCK, num_blocks, step_ctx
 
 from k3trt.cli import main
-from k3trt.model.checkpoint_io import CheckpointReader, write_checkpoint
+from k3trt.model.checkpoint_io import CheckpointReader
+from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.model.context import ModelCache
 from k3trt.model.loader import load_model
 from k3trt.model.make_checkpoint import quant_config

@@ -10,7 +10,7 @@ from hf_utils import hf_logits
 from model_utils import BLOCK, num_blocks, step_ctx
 
 from k3trt.config import ModelConfig
-from k3trt.model.checkpoint_io import write_checkpoint
+from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.model.context import ModelCache
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from k3trt.model import quant as q
-from k3trt.model.checkpoint_io import CheckpointError, CheckpointReader, write_checkpoint
+from k3trt.model.checkpoint_io import CheckpointError, CheckpointReader
+from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.testing import assert_close
 
 GEN = lambda seed=0: torch.Generator().manual_seed(seed)  # noqa: E731

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k3trt.config import ModelConfig
-from k3trt.model.checkpoint_io import write_checkpoint
+from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.model.loader import build_model, load_model
 from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.model.presets import preset_config

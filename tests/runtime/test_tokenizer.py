@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from k3trt.runtime import tokenizer as tk
+from k3trt.runtime import kimi_tiktoken as tk
 from k3trt.runtime.chat import CHAT_TEMPLATE
+from k3trt.runtime.kimi_tiktoken import KIMI_PATTERN
 from k3trt.runtime.tokenizer import (
     K3_SPECIAL_TOKENS,
-    KIMI_PATTERN,
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
