@@ -29,7 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from k3trt.runtime.xtml import CLOSE, END_OF_MSG, OPEN, SEP, escape_attr
+from k3trt.runtime.xtml import CLOSE, END_OF_MSG, OPEN, SEP
+from k3trt.runtime.xtml_values import escape_attr
 
 CONTROL_TOKENS = (OPEN, SEP, CLOSE, END_OF_MSG)
 TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"

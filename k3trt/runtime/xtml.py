@@ -26,13 +26,20 @@ Structure rules beyond the spec (recovery from malformed output, chosen to be ch
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from k3trt.runtime.xtml_values import (
+    Delta,
+    DeltaKind,
+    ParsedOutput,
+    ToolCall,
+    dumps_value,
+    typed_value,
+    unescape_attr,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,69 +52,6 @@ _OPEN_HEADER = re.compile(r"\s*(\w+)(\s.*)?", re.S)
 _CLOSE_HEADER = re.compile(r"\s*(\w+)\s*")
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
 _CHANNELS = frozenset({"think", "response", "tools"})
-
-
-def escape_attr(value: str) -> str:
-    return value.replace("&", "&amp;").replace('"', "&quot;")
-
-
-def unescape_attr(value: str) -> str:
-    # &quot; first: "&amp;quot;" is an escaped literal "&quot;" and must survive as such.
-    return value.replace("&quot;", '"').replace("&amp;", "&")
-
-
-def arguments_json(arguments: dict[str, Any]) -> str:
-    """The one JSON form of a call's arguments; TOOL_ARGS deltas concatenate to exactly this."""
-    return json.dumps(arguments, ensure_ascii=False)
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if math.isfinite(value):
-        return value
-    raise ValueError(text)  # NaN, Infinity, 1e999: json.dumps would write them, but not as JSON
-
-
-def typed_value(raw: str, type_: str) -> Any:
-    """An argument's value: `string` is the raw text; other types json.loads, else the raw text."""
-    if type_ == "string":
-        return raw
-    try:
-        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
-    except ValueError:
-        return raw
-
-
-class DeltaKind(str, enum.Enum):
-    REASONING = "reasoning"
-    CONTENT = "content"
-    TOOL_NAME = "tool_name"
-    TOOL_ARGS = "tool_args"
-
-
-@dataclass(frozen=True)
-class Delta:
-    kind: DeltaKind
-    text: str
-    index: int = -1  # tool call index (0-based, in order of opening); -1 for text deltas
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    index: int
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    reasoning: str | None
-    content: str | None
-    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class _MarkerFilter:
@@ -318,7 +262,7 @@ class StreamingParser:
                                   filter=_MarkerFilter()))
         if type_ == "string":  # streams as it arrives: the key and opening quote go out now
             call.arguments[key] = ""
-            self._emit(DeltaKind.TOOL_ARGS, self._arg_sep(call) + _dumps(key) + ': "', call.index)
+            self._emit(DeltaKind.TOOL_ARGS, self._arg_sep(call) + dumps_value(key) + ': "', call.index)
 
     @staticmethod
     def _arg_sep(call: _Call) -> str:
@@ -350,7 +294,7 @@ class StreamingParser:
 
     def _add_argument(self, call: _Call, key: str, value: Any) -> None:
         call.arguments[key] = value
-        self._emit(DeltaKind.TOOL_ARGS, self._arg_sep(call) + _dumps(key) + ": " + _dumps(value),
+        self._emit(DeltaKind.TOOL_ARGS, self._arg_sep(call) + dumps_value(key) + ": " + dumps_value(value),
                    call.index)
 
     # ---- text ---------------------------------------------------------------------------------
@@ -369,7 +313,7 @@ class StreamingParser:
             piece = frame.filter(text)
             frame.raw.append(piece)
             if frame.name == "argument" and frame.type == "string":
-                self._emit(DeltaKind.TOOL_ARGS, _dumps(piece)[1:-1], frame.call)
+                self._emit(DeltaKind.TOOL_ARGS, dumps_value(piece)[1:-1], frame.call)
         # text in tools / call / unknown elements is dropped
 
     def _top_text(self, text: str) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 from k3trt.runtime.request import RequestOutput, find_stop
 from k3trt.runtime.tokenizer import IncrementalDetokenizer
-from k3trt.runtime.xtml import SPECIALS, Delta, DeltaKind, StreamingParser, arguments_json
+from k3trt.runtime.xtml import SPECIALS, Delta, DeltaKind, StreamingParser
+from k3trt.runtime.xtml_values import arguments_json
 
 
 @dataclass

@@ -15,11 +15,10 @@ from k3trt.runtime.xtml import (
     ParsedOutput,
     StreamingParser,
     ToolCall,
-    arguments_json,
-    escape_attr,
     parse,
     reasoning_open,
 )
+from k3trt.runtime.xtml_values import arguments_json, escape_attr
 
 O, S, C, E = "<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"
 

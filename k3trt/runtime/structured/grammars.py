@@ -22,7 +22,7 @@ from typing import Any
 
 from k3trt.runtime.structured.spec import GrammarError, GuidedSpec
 from k3trt.runtime.structured.vocab import GrammarVocab, xgr
-from k3trt.runtime.xtml import escape_attr
+from k3trt.runtime.xtml_values import escape_attr
 
 log = logging.getLogger(__name__)
 
