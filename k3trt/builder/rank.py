@@ -95,7 +95,7 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
     from k3trt.builder.export import share_weights
     from k3trt.builder.onnx_ops import OPS, check_graph
 
-    if backend not in MODULES:
+    if engines and backend not in MODULES:
         raise BuildError(f"unknown TensorRT backend {backend!r}; choose one of {sorted(MODULES)}")
     if workers > 1 and not isinstance(model, ModelSource):
         raise BuildError("build workers load the model themselves: pass a ModelSource, not a module")
