@@ -85,9 +85,10 @@ def test_k3trt_run_equals_the_torch_backend(engines, tiny_ckpt, schema, tmp_path
     assert got["stats"]["backend"] == "onnx" and want["stats"]["backend"] == "torch"
     assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
     assert got["stats"]["speculative"] == want["stats"]["speculative"]
-    assert got["stats"]["speculative"]["accepted_tokens"] > 0      # K+1 rows verified through the graphs
-    if schema:
-        assert "a" in json.loads(got["text"])
+    if schema:                        # the grammar cuts the drafts it refuses; 12 tokens: a prefix
+        assert got["text"].startswith('{"a"'), got["text"]
+    else:                             # K+1 rows verified through the graphs, drafts accepted
+        assert got["stats"]["speculative"]["accepted_tokens"] > 0
 
 
 def test_the_python_api_batches_equal_the_torch_backend(engines, tmp_path):

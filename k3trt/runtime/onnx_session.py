@@ -69,8 +69,8 @@ class OnnxSession(CapacitySession):
         ins, outs = io_specs(self.cfg, spec)
         got = ([i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()])
         if got != ([t.name for t in ins], [t.name for t in outs]):
-            raise RuntimeError(f"{spec.name}.onnx: its inputs/outputs differ from the engine contract "
-                               "(built by another k3trt?); rebuild the engine dir with `k3trt build ... --backend onnx`")
+            raise RuntimeError(f"{spec.name}.onnx: its inputs/outputs differ from the engine contract (built by "
+                               "another k3trt?); rebuild the engine dir with `k3trt build ... --backend onnx`")
 
     def close(self) -> None:
         """Drop the onnxruntime sessions and the caches; the session is unusable afterwards."""
