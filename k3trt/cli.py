@@ -53,8 +53,8 @@ def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @main.command("build")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--output", "-o", type=click.Path(file_okay=False), required=True, help="engine directory to write")
-@click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt", "tensorrt-rtx"]), default="auto",
-              show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "torch", "onnx", "tensorrt", "tensorrt-rtx"]), default="auto",
+              show_default=True, help="onnx: the engine graphs run by onnxruntime on the CPU (fp32)")
 @click.option("--capacities", callback=_capacity_list,
               help="verify batch capacities, e.g. 1,2,4,8 (default: powers of two)")
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
@@ -172,14 +172,30 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
 @click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
 def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, speculative) -> None:
     """Write a Triton Inference Server model repository serving ENGINE_DIR."""
+    from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
     from k3trt.triton import triton_repo_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"engine_options": {"speculative": speculative}} if speculative else {}
     try:
+        backend = read_engine_dir(engine_dir, verify_checksums=False).backend
+        device = _engine_device(backend, device)
         path = triton_repo_main(engine_dir, output, instances, max_batch, device=device,
                                 execution_env=execution_env, **opts)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path.parent))
+
+
+# where each engine dir backend runs: the Triton instances' kind (auto: the first)
+ENGINE_DEVICES = {"torch": ("auto", "cpu", "cuda"), "onnx": ("cpu",), "tensorrt": ("cuda",), "tensorrt-rtx": ("cuda",)}
+
+
+def _engine_device(backend: str, device: str) -> str:
+    allowed = ENGINE_DEVICES[backend]
+    if device == "auto":
+        return allowed[0]
+    if device not in allowed:
+        raise ValueError(f"a {backend} engine dir runs on {' or '.join(allowed)}, not --device {device}")
+    return device
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 torch            the "engine" is the checkpoint itself (config + safetensors shards, hard-linked when
                  the filesystem allows, else copied) under rank0/, loaded at run time by the one
                  strict loader (k3trt.model.loader), plus the build options and capacity plan.
+onnx             rank0/ holds one ONNX graph per capacity (k3trt ops as custom nodes) and the shared
+                 weights, the graphs the TensorRT backends build from; run by onnxruntime on the CPU.
 tensorrt(-rtx)   rank0/ holds one ONNX graph and one engine per capacity and the shared weights
                  (builder/rank.py); every check that can fail runs before the long work (builder/backends.py).
 
@@ -98,6 +100,9 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
                            verify=capacities or None)
     check_output(output)
+    if backend == "onnx":
+        return _build_onnx(checkpoint, output, cfg=cfg, target=target, model_raw=model_raw, build=build, caps=caps,
+                           check_onnx=check_onnx, workers=workers)
     if backend != "torch":
         return _build_trt(checkpoint, output, backend=backend, target=target, model_raw=model_raw,
                           build=build, caps=caps, check_onnx=check_onnx, force=force, workers=workers)
@@ -188,6 +193,40 @@ def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | No
     path = write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
                             capacities=caps, populate=populate, inputs=inputs)
     log.info("%s", summary_table(reports, backend, target, time.perf_counter() - t_start))
+    return path
+
+
+def _build_onnx(checkpoint: Path, output: Path, *, cfg, target: str | None, model_raw: dict, build: BuildConfig,
+                caps: Capacities, check_onnx: bool, workers: int) -> Path:
+    """rank0/ holds the per-capacity graphs the TensorRT backends build their engines from (k3trt
+    ops as custom nodes, weights shared in weights.bin), run by onnxruntime (runtime/onnx_session.py).
+    fp32 only: the onnxruntime custom ops are registered for fp32. Every capacity is exported anew."""
+    t_start = time.perf_counter()
+    if build.dtype != "fp32" or build.kv_dtype not in ("auto", "fp32"):
+        raise ValueError(f"the onnx backend runs fp32 graphs (its onnxruntime custom ops are fp32): build with "
+                         f"--dtype fp32 (got --dtype {build.dtype} --kv-dtype {build.kv_dtype})")
+    if target is not None:
+        log.info("--target %s: the onnx backend runs on the CPU; ignored", target)
+    weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    checks.check_disk(output, int(weight_bytes * 2 * 1.2))      # fp32 weights.bin + one graph's data file
+    log.info("building onnx engine dir from %s: verify capacities %s, prefill capacities %s", checkpoint,
+             list(caps.verify), list(caps.prefill))
+
+    def populate(tmp: Path) -> None:
+        rank.build_rank(rank.ModelSource(checkpoint, build.torch_dtype), cfg, caps, tmp / "rank0", backend="onnx",
+                        block_size=build.block_size, max_seq_len=build.max_seq_len, kv_dtype=build.kv_torch_dtype,
+                        kv_scale=build.kv_scale, check=check_onnx, engines=False, workers=workers)
+        (tmp / "tokenizer").mkdir()
+        for name in TOKENIZER_FILES:
+            if (checkpoint / name).is_file():
+                _link_or_copy(checkpoint / name, tmp / "tokenizer" / name)
+
+    path = write_engine_dir(output, backend="onnx", target=None, model_raw=model_raw, build=build, capacities=caps,
+                            populate=populate)
+    graphs = sorted((path / "rank0").glob("*.onnx"))
+    size = sum(f.stat().st_size for f in (path / "rank0").iterdir())
+    log.info("onnx engine dir %s: %d graphs, %.1f MiB, built in %.1fs", path, len(graphs), size / 2**20,
+             time.perf_counter() - t_start)
     return path
 
 

@@ -13,8 +13,9 @@ second model to keep in step. What ENVIRONMENT.md found to work is used: an
 Three thin export-time substitutions keep the model unforked and are scoped to the export:
 ``mla_cache_write`` (mutating) -> the functional ``k3trt::mla_cache_update`` then a copy;
 ``Experts.forward`` (Python loop over the experts with tokens: data-dependent) ->
-``k3trt::moe_experts``; the absorbed MLA path for every query width, so that prefill reads the
-cache through ``mla_verify`` (the naive path slices by the Python context length).
+``k3trt::moe_experts`` (both ops: plugins/graph_ops.py); the absorbed MLA path for every query
+width, so that prefill reads the cache through ``mla_verify`` (the naive path slices by the
+Python context length).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,51 +34,10 @@ from k3trt.config import ModelConfig
 from k3trt.engine.graph_io import DYNAMIC_DIMS, GraphSpec, TensorSpec, cache_specs, io_specs
 from k3trt.model import mla as mla_module
 from k3trt.model.context import KDALayerCache, ModelCache, StepContext
-from k3trt.model.layers import ACTIVATIONS
 from k3trt.model.moe import Experts
-from k3trt.plugins.cache_write import mla_cache_write_reference
+from k3trt.plugins.graph_ops import mla_cache_update, moe_experts  # noqa: F401  (the ops the graphs call)
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------ wrapper ops
-@torch.library.custom_op("k3trt::mla_cache_update", mutates_args=())
-def mla_cache_update(kv_c: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: Tensor, kv_scale: float) -> Tensor:
-    """Functional ``mla_cache_write``: the cache after the write (a new tensor)."""
-    out = cache.clone()
-    mla_cache_write_reference(kv_c, k_pe, out, slot_mapping, kv_scale)
-    return out
-
-
-@mla_cache_update.register_fake
-def _(kv_c, k_pe, cache, slot_mapping, kv_scale):
-    return torch.empty_like(cache)
-
-
-@torch.library.custom_op("k3trt::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                activation: str, beta: float, linear_beta: float) -> Tensor:
-    """The routed experts of moe.Experts as one op; its reference is Experts.forward itself
-    (beta / linear_beta 0 mean unset)."""
-    fn = ACTIVATIONS[activation]
-    experts = _ExpertWeights(w_gate, w_up, w_down, lambda g, u: fn(g, u, beta or None, linear_beta or None))
-    return _EXPERTS_FORWARD(experts, x, ids, weights)
-
-
-@moe_experts.register_fake
-def _(x, ids, weights, w_gate, w_up, w_down, activation, beta, linear_beta):
-    return torch.empty_like(x)
-
-
-@dataclass
-class _ExpertWeights:
-    w_gate: Tensor
-    w_up: Tensor
-    w_down: Tensor
-    act: object
-
-
-_EXPERTS_FORWARD = Experts._loop   # the plain per-expert loop: the op's reference
 
 
 def example_inputs(cfg: ModelConfig, spec: GraphSpec, *, num_blocks: int, num_slots: int,

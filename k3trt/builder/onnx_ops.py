@@ -21,20 +21,17 @@ the node's op_type, so these names are also the TensorRT plugin names):
 (their docstrings). Bool scalars become INT attributes (0/1); every scalar is an attribute,
 never an input, because a plugin's configuration must be fixed at build time.
 
-onnxruntime: ``onnxruntime-extensions`` runs Python ops of domain ``ai.onnx.contrib`` only, so
-``ort_session`` renames the k3trt nodes' domain in a copy of the graph. Each Python op calls the
-torch op itself on the CPU (its reference implementation), so the check compares the exported
-graph's *wiring* and the native ONNX parts against the model, not the plugins against themselves.
-onnxruntime-extensions fixes one input type list per op type: the Python ops are registered for
-fp32 activations (the tiny-preset check); any other dtype is refused with a message.
+onnxruntime: the Python custom ops that run the k3trt nodes, and ``ort_session``, live in
+plugins/onnx_ort.py (the onnx engine backend's runtime uses them too). Each calls the torch op
+itself on the CPU (its reference implementation), so ``check_graph`` compares the exported
+graph's *wiring* and the native ONNX parts against the model, not the plugins against
+themselves. They are registered for fp32 activations; any other dtype is refused with a message.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -44,14 +41,13 @@ from k3trt.builder.export import example_inputs, model_cache  # also registers t
 from k3trt.engine.graph_io import cache_specs
 from k3trt.model.context import StepContext
 from k3trt.plugins import ONNX_OPS
+from k3trt.plugins.onnx_ort import DOMAIN, ort_session
 from k3trt.plugins.onnx_spec import OnnxOp
 from k3trt.testing import assert_close
 
 log = logging.getLogger(__name__)
 
-DOMAIN = "k3trt"
 OPSET_VERSION = 1
-ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 
 OPS: tuple[OnnxOp, ...] = ONNX_OPS
 BY_TORCH_NAME = {op.torch_name: op for op in OPS}
@@ -115,72 +111,6 @@ def translation_table() -> dict:
 
 
 # ------------------------------------------------------------------------------ onnxruntime side
-@functools.cache
-def register_ort_ops() -> None:
-    """Register one onnxruntime-extensions Python op per k3trt op (fp32 activations), once."""
-    from onnxruntime_extensions import PyCustomOpDef, onnx_op  # noqa: PLC0415 (optional: onnxruntime-extensions)
-
-    dt = {"tensor(float)": PyCustomOpDef.dt_float, "tensor(int32)": PyCustomOpDef.dt_int32,
-          "tensor(int64)": PyCustomOpDef.dt_int64}
-    attr_dt = {"int": PyCustomOpDef.dt_int64, "float": PyCustomOpDef.dt_float, "str": PyCustomOpDef.dt_string}
-    for op in OPS:
-        onnx_op(op_type=op.op_type,
-                inputs=[dt[p.types[0]] for p in op.inputs], outputs=[dt[p.types[0]] for p in op.outputs],
-                attrs={name: attr_dt[kind] for name, kind, _ in op.attributes()})(_ort_body(op))
-
-
-def _ort_body(op: OnnxOp) -> Callable:
-    bool_attrs = {a.name for a in op.schema_args() if str(a.type) == "bool"}
-    attr_names = [name for name, _, _ in op.attributes()]
-
-    def body(*arrays, **attrs):
-        tensors = [torch.from_numpy(a.copy()) for a in arrays]
-        kwargs = {k: (bool(v) if k in bool_attrs else v) for k, v in attrs.items() if k in attr_names}
-        named = dict(zip((p.name for p in op.inputs), tensors))
-        out = op.torch_op(**named, **kwargs)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        res = tuple(o.detach().contiguous().numpy() for o in outs)
-        return res if len(res) > 1 else res[0]
-
-    body.__name__ = f"ort_{op.op_type}"
-    return body
-
-
-def to_ort_domain(model) -> None:
-    """Rename the k3trt nodes' domain (in place, on a copy the caller owns) for onnxruntime-extensions."""
-    for node in model.graph.node:
-        if node.domain == DOMAIN:
-            node.domain = ORT_CONTRIB_DOMAIN
-    imports = [o for o in model.opset_import if o.domain not in (DOMAIN, ORT_CONTRIB_DOMAIN)]
-    del model.opset_import[:]
-    model.opset_import.extend(imports)
-    model.opset_import.add(domain=ORT_CONTRIB_DOMAIN, version=1)
-
-
-def ort_session(onnx_path: str | Path, *, threads: int = 0):
-    """An onnxruntime CPU session for an exported graph, its k3trt nodes run by the Python ops.
-    The renamed copy is written beside the original (onnxruntime refuses external data outside
-    the model's directory, symlinks included) and removed once the session has loaded it."""
-    import onnx  # noqa: PLC0415 (optional: onnx)
-    import onnxruntime as ort  # noqa: PLC0415 (optional: onnxruntime)
-    from onnxruntime_extensions import get_library_path  # noqa: PLC0415 (optional: onnxruntime-extensions)
-
-    register_ort_ops()
-    onnx_path = Path(onnx_path)
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    to_ort_domain(model)
-    opts = ort.SessionOptions()
-    opts.register_custom_ops_library(get_library_path())
-    opts.intra_op_num_threads = threads
-    fd, tmp = tempfile.mkstemp(prefix=f".{onnx_path.stem}.", suffix=".ort.onnx", dir=onnx_path.parent)
-    os.close(fd)
-    try:
-        onnx.save(model, tmp)
-        return ort.InferenceSession(tmp, opts, providers=["CPUExecutionProvider"])
-    finally:
-        os.unlink(tmp)
-
-
 def reference_outputs(model, cfg, spec, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What an exported graph must compute: the model run eagerly the way the runtime runs it (a
     plain StepContext: the naive MLA path for prefill, the experts loop)."""

@@ -100,7 +100,7 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
     `previous` (with `inputs_digest`): a capacity whose key (capacity_key) equals the one in its
     previous manifest, and whose previous files match their checksums, is linked, not rebuilt
     (unless `force`); the digests of linked files go into `known_digests` (rank-dir paths)."""
-    if backend not in MODULES:
+    if engines and backend not in MODULES:
         raise BuildError(f"unknown TensorRT backend {backend!r}; choose one of {sorted(MODULES)}")
     if workers > 1 and not isinstance(model, ModelSource):
         raise BuildError("build workers load the model themselves: pass a ModelSource, not a module")

@@ -1,7 +1,9 @@
 """The backend registry: which backends an engine directory can name, which TensorRT-family
 modules are installed, loading them lazily, and whether this machine could run their engines.
 
-``torch`` engine dirs hold the checkpoint and run on the torch runtime. ``tensorrt`` (full
+``torch`` engine dirs hold the checkpoint and run on the torch runtime. ``onnx`` dirs hold the
+per-capacity ONNX graphs the TensorRT backends build from (k3trt ops as custom nodes) and run in
+onnxruntime on the CPU (runtime/onnx_session.py: the engine contract executed anywhere). ``tensorrt`` (full
 TensorRT >= 10.8, engines for the GPU they were built on) and ``tensorrt-rtx`` (TensorRT-RTX 1.7,
 engines built ahead of time for RTX_TARGETS) hold one engine per capacity; their modules are
 imported only by load_backend, so importing k3trt never needs either.
@@ -16,9 +18,11 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("torch", "tensorrt", "tensorrt-rtx")
+BACKENDS = ("torch", "onnx", "tensorrt", "tensorrt-rtx")
+ONNX_MODULES = ("onnxruntime", "onnxruntime_extensions")     # what the onnx backend runs on
 MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx_bindings"}
-INSTALL = {"tensorrt": "pip install 'k3trt[tensorrt]' (tensorrt>=10.8; needs NVIDIA's package index)",
+INSTALL = {"onnx": "pip install onnxruntime onnxruntime-extensions",
+           "tensorrt": "pip install 'k3trt[tensorrt]' (tensorrt>=10.8; needs NVIDIA's package index)",
            "tensorrt-rtx": "pip install tensorrt-rtx-cu13-libs==1.7.1.116 tensorrt-rtx-cu13-bindings==1.7.1.116"}
 RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 
@@ -73,7 +77,11 @@ def runnable_here(backend: str, target: str | None) -> str | None:
     """None if this machine could run `backend` engines built for `target`, else why not (one
     clause, for messages). TensorRT-family engines run only on the GPU architecture they were
     built for; TensorRT-RTX runs only on its RTX targets (on SM90, e.g. an H200, it refuses to
-    deserialize: "compute capability 9.0 ... not supported")."""
+    deserialize: "compute capability 9.0 ... not supported"). onnx engine dirs run on any CPU with
+    onnxruntime and onnxruntime-extensions."""
+    if backend == "onnx":
+        missing = [m for m in ONNX_MODULES if importlib.util.find_spec(m) is None]
+        return f"{', '.join(missing)} not installed ({INSTALL['onnx']})" if missing else None
     local = local_gpu_target()
     if backend == "tensorrt-rtx" and local is not None and local not in RTX_TARGETS:
         return (f"its GPU is {local}, and TensorRT-RTX runs only on {', '.join(RTX_TARGETS)} "

@@ -27,7 +27,7 @@ that starts fresh must have its KDA state and conv window zeroed before its firs
 graph always continues from the slot's contents. Padded verify requests point kda_slots at a
 scratch slot, slot_mapping at -1 and seq_lens at Q; a live request with fewer than Q rows is
 padded at its end (slot -1, seq_lens = context + Q) and its KDA state is then reset to the one
-saved after its last live row (runtime/trt_session.py does all of this).
+saved after its last live row (runtime/engine_io.py: CapacitySession does all of this).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Every op has the same parts in the same places:
     mla_verify   mla_verify                             mla_verify_ref,  mla_triton, mla_cuda/  MlaVerify,
                                                         dcp, plans                              mla_verify_trt
 
-(*) the node of an export-only functional op of builder/export.py (mla_cache_update, moe_experts).
+(*) the node of an export-only functional op of graph_ops.py (mla_cache_update, moe_experts).
 Shared: dispatch.py (the kernel-or-reference choice and its logging), onnx_spec.py (``OnnxOp``),
 dcp_sim.py (a DCP group simulated on one process, for tests), plans.py (the MLA kernels' capacity
 plans, read by mla_triton and mla_cuda/).

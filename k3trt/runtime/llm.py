@@ -10,7 +10,10 @@
 Raw prompt strings are encoded with special-token strings recognised (as Hugging Face does); use
 k3trt.runtime.chat.chat_ids for chat messages with untrusted text. ``LLM`` builds the engine (an
 engine dir -> session, cache, scheduler, drafter) and is a thin API over its ``StepLoop``
-(loop.py), which owns the step. ``run`` is what ``k3trt run --json`` prints. Requests submitted
+(loop.py), which owns the step. The session comes from the engine dir's backend (``SESSIONS``):
+torch (the model, eager or as static graphs: TorchSession, GraphSession), onnx (the per-capacity
+graphs in onnxruntime on the CPU: OnnxSession), tensorrt and tensorrt-rtx (their engines on the
+GPU: TrtSession); everything above it is the same. ``run`` is what ``k3trt run --json`` prints. Requests submitted
 with ``add_request`` are driven by ``step()``; do not mix them with a ``generate``/``stream`` call
 in flight (those keep only their own outputs).
 """
@@ -24,17 +27,19 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
+from k3trt.engine.backends import runnable_here
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
-from k3trt.engine.engine_dir import read_engine_dir
-from k3trt.runtime.engine import TorchSession
+from k3trt.engine.engine_dir import EngineDir, EngineDirError, read_engine_dir
+from k3trt.runtime.engine import EngineSession, TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
 from k3trt.runtime.loop import StepLoop
+from k3trt.runtime.onnx_session import OnnxSession
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import Request, RequestOutput
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
@@ -42,6 +47,7 @@ from k3trt.runtime.spec_step import Speculator
 from k3trt.runtime.speculative import NoDrafter, make_drafter, spec_tokens_for
 from k3trt.runtime.structured import CompiledGuide, GuidedSpec
 from k3trt.runtime.tokenizer import Tokenizer
+from k3trt.runtime.trt_session import TrtSession
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +86,15 @@ class EngineOptions:
 
 class LLM:
     def __init__(self, engine_dir: str | Path, device: str | torch.device = "cpu", **options: Any):
-        # the one strict loader, imported here: it pulls in the model code and registers the plugins,
-        # which from_model does not need
-        from k3trt.model.loader import load_model  # noqa: PLC0415 (heavy: model code, op registrations)
         t0 = time.perf_counter()
         opts = EngineOptions.from_kwargs(options)
-        self.engine_dir = ed = read_engine_dir(engine_dir, backend="torch", verify_checksums=opts.verify_checksums)
-        _, model = load_model(ed.rank_dir, dtype=ed.build.torch_dtype, device=torch.device(device))
-        self._setup(model, ed.build, ed.capacities, ed.tokenizer_dir, torch.device(device), opts)
-        log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, ed.path)
+        self.engine_dir = ed = read_engine_dir(engine_dir, verify_checksums=opts.verify_checksums)
+        device = torch.device(device)
+        model = _load_torch_model(ed, device) if ed.backend == "torch" else None
+        opener = SESSIONS[ed.backend]
+        self._setup(ed.model, ed.build, ed.capacities, ed.tokenizer_dir, device, opts,
+                    lambda **kw: opener(ed, model, **kw), model=model)
+        log.info("engine ready in %.1fs: %s (%s backend)", time.perf_counter() - t0, ed.path, ed.backend)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, *, build: BuildConfig, capacities: Capacities,
@@ -99,17 +105,22 @@ class LLM:
         self = cls.__new__(cls)
         self.engine_dir = None
         device = next(model.parameters()).device
-        self._setup(model, build, capacities, Path(tokenizer_dir) if tokenizer_dir else None, device,
-                    EngineOptions.from_kwargs(options))
+        self._setup(model.cfg, build, capacities, Path(tokenizer_dir) if tokenizer_dir else None, device,
+                    EngineOptions.from_kwargs(options), lambda **kw: _torch_session(None, model, **kw), model=model)
         return self
 
-    def _setup(self, model: torch.nn.Module, b: BuildConfig, caps: Capacities, tokenizer_dir: Path | None,
-               device: torch.device, opts: EngineOptions) -> None:
-        self.options, cfg = opts, model.cfg
+    def _setup(self, cfg, b: BuildConfig, caps: Capacities, tokenizer_dir: Path | None, device: torch.device,
+               opts: EngineOptions, open_session: Callable[..., EngineSession], *,
+               model: torch.nn.Module | None) -> None:
+        """Everything above the session, which `open_session` makes (SESSIONS); `model`: the
+        target of the model-running drafters (mtp, layerskip), None for engine backends."""
+        self.options = opts
         hybrid = bool(cfg.kda_layers)
         max_num_tokens = min(opts.max_num_tokens or b.max_num_tokens, b.max_num_tokens)
         self.max_model_len = min(opts.max_model_len or b.max_seq_len, b.max_seq_len)
         k = spec_tokens_for(opts.speculative, opts.spec_tokens, built=caps.spec_tokens)
+        if model is None:
+            _check_graph_options(opts, b, caps, k)
         run_caps = caps.within(max_batch=opts.max_batch, max_num_tokens=max_num_tokens, spec_tokens=k)
         verify = run_caps.verify
         self.config = SchedulerConfig(max_num_tokens=max_num_tokens, capacities=run_caps,
@@ -123,16 +134,11 @@ class LLM:
                           max_live=verify[-1], max_model_len=self.max_model_len, kv_dtype=b.kv_torch_dtype,
                           state_dtype=b.torch_dtype, num_blocks=opts.num_blocks, num_checkpoints=checkpoints,
                           max_q=k + 1 if k else 0)
-        kw = dict(device=device, dtype=b.torch_dtype, kv_dtype=b.kv_torch_dtype, kv_scale=b.kv_scale,
-                  max_q=k + 1 if k else 0)
         graphs = opts.cuda_graphs if opts.cuda_graphs is not None else graphs_by_default(device, b.torch_dtype)
-        if graphs and device.type != "cuda":     # the tests check the padded static steps this way
+        if graphs and device.type != "cuda" and model is not None:   # the tests check the padded static steps this way
             log.warning("cuda_graphs on %s: static padded steps without capture", device)
-        if graphs:
-            self.session = GraphSession(model, cfg, plan, capacities=verify, q_values=(1, k + 1) if k else (1,),
-                                        max_blocks=-(-self.max_model_len // plan.block_size), **kw)
-        else:
-            self.session = TorchSession(model, cfg, plan, **kw)
+        self.session = open_session(cfg=cfg, plan=plan, run_caps=run_caps, built=caps, k=k, device=device,
+                                    graphs=graphs, build=b, max_model_len=self.max_model_len)
         drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
                                target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
                                sample_drafts=True, graphs=graphs) if k else NoDrafter()
@@ -167,8 +173,11 @@ class LLM:
         return self.loop.grammars.submit(spec)
 
     def close(self) -> None:
-        """Stop the grammar compile threads (the engine itself needs no closing)."""
+        """Stop the grammar compile threads and free what the session allocated (engine backends)."""
         self.loop.close()
+        close = getattr(self.session, "close", None)
+        if close is not None:
+            close()
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns a snapshot (with deltas) of every request that changed."""
@@ -246,3 +255,63 @@ def _load_tokenizer(tok_dir: Path | None):
         e = json.loads(gen.read_text()).get("eos_token_id")
         eos |= set(e if isinstance(e, list) else [e]) - {None}
     return tok, frozenset(eos)
+
+
+# ---------------------------------------------------------------------------- sessions by backend
+def _load_torch_model(ed: EngineDir, device: torch.device) -> torch.nn.Module:
+    # the one strict loader, imported here: it pulls in the model code and registers the plugins,
+    # which the other backends and from_model do not need
+    from k3trt.model.loader import load_model  # noqa: PLC0415 (heavy: model code, op registrations)
+    return load_model(ed.rank_dir, dtype=ed.build.torch_dtype, device=device)[1]
+
+
+def _check_graph_options(opts: EngineOptions, b: BuildConfig, caps: Capacities, k: int) -> None:
+    """Engine options per-capacity graphs cannot follow (their shapes were fixed by the build)."""
+    if opts.block_size not in (None, b.block_size):
+        raise ValueError(f"block_size {opts.block_size}: the engine's graphs were built for blocks of "
+                         f"{b.block_size} tokens")
+    if k > caps.spec_tokens:
+        raise ValueError(f"spec_tokens {k}: the engine's verify graphs run {caps.spec_tokens + 1} rows per request "
+                         f"(built with --spec-tokens {caps.spec_tokens}); ask for at most {caps.spec_tokens} or "
+                         "rebuild")
+    if opts.speculative == "mtp" or opts.speculative.startswith("layerskip:"):
+        raise ValueError(f"--speculative {opts.speculative} runs the model's own layers and hidden states, which "
+                         "an engine's graphs do not give: use ngram or draft:DIR, or a torch engine dir")
+
+
+def _torch_session(ed: EngineDir | None, model: torch.nn.Module, *, cfg, plan, run_caps: Capacities, k: int,
+                   device: torch.device, graphs: bool, build: BuildConfig, max_model_len: int, **_) -> EngineSession:
+    kw = dict(device=device, dtype=build.torch_dtype, kv_dtype=build.kv_torch_dtype, kv_scale=build.kv_scale,
+              max_q=k + 1 if k else 0)
+    if graphs:
+        return GraphSession(model, cfg, plan, capacities=run_caps.verify, q_values=(1, k + 1) if k else (1,),
+                            max_blocks=-(-max_model_len // plan.block_size), **kw)
+    return TorchSession(model, cfg, plan, **kw)
+
+
+def _onnx_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities, built: Capacities,
+                  device: torch.device, build: BuildConfig, **_) -> EngineSession:
+    if device.type != "cpu":
+        raise ValueError(f"{ed.path} is an onnx engine dir, run by onnxruntime on the CPU: use device cpu")
+    return OnnxSession(ed.rank_dir, cfg, plan, verify=run_caps.verify, prefill=run_caps.prefill,
+                       spec_tokens=built.spec_tokens, max_seq_len=build.max_seq_len, dtype=build.torch_dtype,
+                       kv_dtype=build.kv_torch_dtype, kv_scale=build.kv_scale, threads=torch.get_num_threads())
+
+
+def _trt_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities, built: Capacities,
+                 device: torch.device, build: BuildConfig, **_) -> EngineSession:
+    reason = runnable_here(ed.backend, ed.target)
+    if reason is not None:
+        raise EngineDirError(f"{ed.path} was built for the {ed.backend!r} backend (target {ed.target or '?'}), and "
+                             f"this machine cannot run it: {reason}. Build one it runs: `k3trt build CHECKPOINT "
+                             "--output DIR --backend torch` (or --backend onnx, on the CPU)")
+    if device.type != "cuda":
+        raise ValueError(f"{ed.path} holds {ed.backend} engines, which run on the GPU: use device cuda")
+    return TrtSession(ed.rank_dir, cfg, plan, backend=ed.backend, verify=run_caps.verify, prefill=run_caps.prefill,
+                      spec_tokens=built.spec_tokens, max_seq_len=build.max_seq_len, dtype=build.torch_dtype,
+                      kv_dtype=build.kv_torch_dtype, device=str(device), target=ed.target)
+
+
+# engine dir backend -> its session (keyword arguments: LLM._setup's open_session call)
+SESSIONS: dict[str, Callable[..., EngineSession]] = {
+    "torch": _torch_session, "onnx": _onnx_session, "tensorrt": _trt_session, "tensorrt-rtx": _trt_session}

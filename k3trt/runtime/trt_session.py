@@ -16,12 +16,9 @@ plugin engines that declare it), an output must not be bound to its input's memo
 cache tensor has two buffers and flips parity when an engine writes it (verify engines also
 write the per-position KDA states, prefill engines do not). Cost: twice the cache memory.
 
-The graph contract the session keeps (engine/graph_io.py): verify engines run B_cap requests x
-Q rows; padded requests use the scratch KDA slot (one slot past the plan's), slot_mapping -1 and
-seq_lens Q; a request with fewer than Q rows is padded at its end and its KDA state is then
-reset to the state after its last live row. Prefill engines run exactly T tokens of one
-sequence; a chunk of n tokens runs as PrefillSlices at the capacities ``split_prefill`` gives; a
-fresh sequence's KDA slot is zeroed first.
+The graph contract (padding, scratch slot, prefill slices, KDA rollback of short requests) is
+kept by ``CapacitySession`` (runtime/engine_io.py), shared with the onnxruntime session; this
+module runs one engine and moves cache rows on the GPU. ``close()`` frees what it allocated.
 """
 
 from __future__ import annotations
@@ -37,26 +34,11 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.engine.backends import load_backend, runnable_here
-from k3trt.engine.capacities import Capacities, pick, split_prefill
+from k3trt.engine.capacities import Capacities
 from k3trt.engine.graph_io import DYNAMIC_DIMS, GraphSpec, graph_specs, io_specs
-from k3trt.runtime.engine import Batch, EngineSession
+from k3trt.runtime.engine_io import Binding, CapacitySession
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Binding:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    is_input: bool
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty(0, dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -122,71 +104,6 @@ def cache_bytes(layouts: dict[str, EngineLayout], *, alias: bool) -> int:
     return sum(seen.values()) * (1 if alias else 2)
 
 
-# ------------------------------------------------------------------------------ step -> engine inputs
-def verify_inputs(batch: Batch, spec: GraphSpec, scratch_slot: int, *, positions: bool = False):
-    """Host inputs of a verify engine for `batch` and the engine rows of the batch's logit rows."""
-    S, Q, B = len(batch.q_lens), spec.q_per_req, spec.capacity
-    if S > B or any(q > Q for q in batch.q_lens):
-        raise ValueError(f"{spec.name} runs {B} requests x {Q} rows; the step has {S} requests with rows "
-                         f"{batch.q_lens}")
-    ids = torch.zeros(B * Q, dtype=torch.int64)
-    slots = torch.full((B * Q,), -1, dtype=torch.int64)
-    pos = torch.zeros(B * Q, dtype=torch.int64)
-    table = torch.zeros(B, spec.max_blocks, dtype=torch.int32)
-    seq_lens = torch.full((B,), Q, dtype=torch.int32)
-    kda = torch.full((B,), scratch_slot, dtype=torch.int64)
-    engine_row = torch.empty(batch.num_tokens, dtype=torch.int64)
-    t = 0
-    for i, (q, c) in enumerate(zip(batch.q_lens, batch.ctx_lens)):
-        rows = slice(i * Q, i * Q + q)
-        ids[rows], slots[rows] = batch.input_ids[t:t + q], batch.slot_mapping[t:t + q]
-        pos[rows] = torch.arange(c, c + q)
-        engine_row[t:t + q] = torch.arange(i * Q, i * Q + q)
-        width = min(batch.block_table.shape[1], spec.max_blocks)
-        table[i, :width] = batch.block_table[i, :width]
-        seq_lens[i], kda[i] = c + Q, batch.kda_slots[i]      # rows past q only feed padded rows
-        t += q
-    x = {"input_ids": ids, "slot_mapping": slots, "block_table": table, "seq_lens": seq_lens, "kda_slots": kda}
-    if positions:
-        x["positions"] = pos
-    return x, engine_row[batch.logit_rows]
-
-
-@dataclass(frozen=True)
-class PrefillSlice:
-    """One prefill engine run: exactly `capacity` tokens of one sequence's chunk."""
-    seq: int          # sequence index in the batch
-    start: int        # first token of the slice within the sequence's new tokens
-    capacity: int     # tokens (exactly)
-    last: bool        # the sequence's last slice: its logits are the sequence's
-
-
-def prefill_slices(batch: Batch, capacities: tuple[int, ...]) -> list[PrefillSlice]:
-    out = []
-    for i, n in enumerate(batch.q_lens):
-        start, parts = 0, split_prefill(capacities, n)
-        for j, cap in enumerate(parts):
-            out.append(PrefillSlice(i, start, cap, j == len(parts) - 1))
-            start += cap
-    return out
-
-
-def prefill_inputs(batch: Batch, piece: PrefillSlice, spec: GraphSpec, *,
-                   positions: bool = False) -> dict[str, torch.Tensor]:
-    t0 = sum(batch.q_lens[:piece.seq]) + piece.start
-    ctx = batch.ctx_lens[piece.seq] + piece.start
-    table = torch.zeros(1, spec.max_blocks, dtype=torch.int32)
-    width = min(batch.block_table.shape[1], spec.max_blocks)
-    table[0, :width] = batch.block_table[piece.seq, :width]
-    x = {"input_ids": batch.input_ids[t0:t0 + piece.capacity].clone(),
-         "slot_mapping": batch.slot_mapping[t0:t0 + piece.capacity].clone(), "block_table": table,
-         "seq_lens": torch.tensor([ctx + piece.capacity], dtype=torch.int32),
-         "kda_slots": batch.kda_slots[piece.seq:piece.seq + 1].clone()}
-    if positions:
-        x["positions"] = torch.arange(ctx, ctx + piece.capacity)
-    return x
-
-
 # ------------------------------------------------------------------------------ CUDA (cuda.bindings)
 @dataclass(frozen=True)
 class DeviceArray:
@@ -213,7 +130,9 @@ class Cuda:
         self.rt = rt
         self._ok(rt.cudaSetDevice(device))
         self.stream = self._ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
-        self._owned: list[int] = []
+        self._owned: list[int] = []             # device buffers
+        self._pinned: list[int] = []            # pinned host buffers
+        self._graphs: list[object] = []         # instantiated CUDA graphs
 
     def _ok(self, result):
         err, *rest = result if isinstance(result, tuple) else (result,)
@@ -234,6 +153,7 @@ class Cuda:
 
     def pinned(self, nbytes: int):
         ptr = int(self._ok(self.rt.cudaMallocHost(max(nbytes, 1))))
+        self._pinned.append(ptr)
         return ptr, np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr))
 
     def h2d(self, dst: int, src: int, nbytes: int) -> None:
@@ -269,13 +189,35 @@ class Cuda:
             enqueue(self.stream)
         finally:
             graph = self._ok(rt.cudaStreamEndCapture(self.stream))
-        return self._ok(rt.cudaGraphInstantiate(graph, 0))
+        try:
+            graph_exec = self._ok(rt.cudaGraphInstantiate(graph, 0))
+        finally:
+            self._ok(rt.cudaGraphDestroy(graph))        # the executable graph does not need it
+        self._graphs.append(graph_exec)
+        return graph_exec
 
     def launch(self, graph_exec) -> None:
         self._ok(self.rt.cudaGraphLaunch(graph_exec, self.stream))
 
     def synchronize(self) -> None:
         self._ok(self.rt.cudaStreamSynchronize(self.stream))
+
+    def close(self) -> None:
+        """Free every graph, buffer and the stream this object made (after the work queued on the
+        stream); idempotent."""
+        if self.stream is None:
+            return
+        rt = self.rt
+        self._ok(rt.cudaStreamSynchronize(self.stream))
+        for g in self._graphs:
+            self._ok(rt.cudaGraphExecDestroy(g))
+        for ptr in self._owned:
+            self._ok(rt.cudaFree(ptr))
+        for ptr in self._pinned:
+            self._ok(rt.cudaFreeHost(ptr))
+        self._graphs, self._owned, self._pinned = [], [], []
+        self._ok(rt.cudaStreamDestroy(self.stream))
+        self.stream = None
 
 
 class EngineRunner:
@@ -327,6 +269,12 @@ class EngineRunner:
         self.cuda.synchronize()
         return self.logits
 
+    def close(self) -> None:
+        """Drop the TensorRT objects (context before engine); the buffers are the Cuda object's."""
+        self.graphs.clear()
+        self.context = None
+        self.engine = None
+
 
 # ------------------------------------------------------------------------------ the session
 class EngineNotRunnable(RuntimeError):
@@ -342,9 +290,10 @@ def check_runnable(rank_dir: str | Path, backend: str, target: str | None) -> No
                                 f"machine: {reason}")
 
 
-class TrtSession(EngineSession):
+class TrtSession(CapacitySession):
     """Engines of one rank dir on one GPU. `plan` is the runtime's CachePlan; one KDA slot is added
-    past plan.num_slots as the scratch slot of padded verify requests."""
+    past plan.num_slots as the scratch slot of padded verify requests. `close()` frees every
+    device and pinned buffer, CUDA graph and the stream."""
 
     def __init__(self, rank_dir: str | Path, cfg: ModelConfig, plan, *, backend: str, verify: tuple[int, ...],
                  prefill: tuple[int, ...], spec_tokens: int, max_seq_len: int, dtype: torch.dtype,
@@ -356,31 +305,47 @@ class TrtSession(EngineSession):
         self.layouts = engine_layouts(rank_dir, cfg, verify=verify, prefill=prefill, spec_tokens=spec_tokens,
                                       block_size=plan.block_size, max_seq_len=max_seq_len, dtype=dtype,
                                       kv_dtype=kv_dtype, num_blocks=plan.num_blocks, num_slots=plan.num_slots + 1)
+        self.specs = {n: lay.spec for n, lay in self.layouts.items()}
         self.verify_caps, self.prefill_caps = tuple(verify), tuple(prefill)
         self.rope = any(b.name == "positions" for lay in self.layouts.values() for b in lay.bindings)
         self.alias, self.cuda_graphs = alias_caches, cuda_graphs
         self.cuda = Cuda(self.device.index or 0)
-        self.trt = load_backend(backend).trt
-        self.weights = self.cuda.load_weights(Path(rank_dir), [w for lay in self.layouts.values() for w in lay.weights])
-        self.caches = {}                        # name -> [buffer parity 0, buffer parity 1 (or the same)]
-        for lay in self.layouts.values():
-            for name in lay.cache_names:
-                if name not in self.caches:
-                    a = self.cuda.zeros(lay.binding(name).shape, lay.binding(name).dtype)
-                    self.caches[name] = [a, a if self.alias else self.cuda.zeros(a.shape, a.dtype)]
-        self.parity = {name: 0 for name in self.caches}
-        runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
-        self.engines = {n: EngineRunner(self.cuda, runtime, lay, self.weights, cuda_graphs)
-                        for n, lay in self.layouts.items()}
+        try:
+            self.trt = load_backend(backend).trt
+            self.weights = self.cuda.load_weights(Path(rank_dir),
+                                                  [w for lay in self.layouts.values() for w in lay.weights])
+            self.caches = {}                    # name -> [buffer parity 0, buffer parity 1 (or the same)]
+            for lay in self.layouts.values():
+                for name in lay.cache_names:
+                    if name not in self.caches:
+                        a = self.cuda.zeros(lay.binding(name).shape, lay.binding(name).dtype)
+                        self.caches[name] = [a, a if self.alias else self.cuda.zeros(a.shape, a.dtype)]
+            self.cache_names = frozenset(self.caches)
+            self.parity = {name: 0 for name in self.caches}
+            runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
+            self.engines = {n: EngineRunner(self.cuda, runtime, lay, self.weights, cuda_graphs)
+                            for n, lay in self.layouts.items()}
+        except BaseException:
+            self.cuda.close()
+            raise
         log.info("TensorRT session: %d engines, caches %.1f MiB (%s)", len(self.engines),
                  cache_bytes(self.layouts, alias=self.alias) / 2**20, "aliased" if self.alias else "double-buffered")
+
+    def close(self) -> None:
+        """Free what the session allocated (execution contexts and engines first: they use the
+        buffers). Idempotent; the session is unusable afterwards."""
+        for runner in getattr(self, "engines", {}).values():
+            runner.close()
+        self.engines = {}
+        self.cuda.close()
 
     # -- helpers over the parity buffers
     def _cache(self, name: str, which: str = "in"):
         p = self.parity[name]
         return self.caches[name][p if which == "in" or self.alias else 1 - p]
 
-    def _run(self, name: str, host_inputs: dict[str, torch.Tensor]):
+    # -- CapacitySession primitives
+    def _run(self, name: str, host_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         lay = self.layouts[name]
         addrs = {c: self._cache(c, "in") for c in lay.cache_names}
         addrs.update({f"{c}_out": self._cache(c, "out") for c in lay.cache_names})
@@ -388,62 +353,13 @@ class TrtSession(EngineSession):
         if not self.alias:
             for c in lay.cache_names:
                 self.parity[c] ^= 1
-        return logits
+        return torch.as_tensor(logits, device=self.device)
 
-    def _kda_layers(self) -> list[int]:
-        return list(self.cfg.kda_layers)
+    def _zero_row(self, cache: str, row: int) -> None:
+        self.cuda.zero_row(self._cache(cache), row)
 
-    # -- EngineSession
-    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if device_ids is not None:
-            raise NotImplementedError("the TensorRT session takes token ids from the batch only")
-        cap = pick(self.verify_caps, len(batch.q_lens), "verify")
-        name = f"verify_b{cap}"
-        x, rows = verify_inputs(batch, self.layouts[name].spec, self.scratch_slot, positions=self.rope)
-        logits = self._run(name, x)
-        Q = self.layouts[name].spec.q_per_req
-        short = [(int(s), q - 1) for s, q in zip(batch.kda_slots, batch.q_lens) if q < Q]
-        if short:                 # padded rows advanced these states: back to the last live row
-            self.rollback_kda([s for s, _ in short], [p for _, p in short])
-        return torch.as_tensor(logits, device=self.device)[rows.to(self.device)]
+    def _copy_row(self, dst: str, drow: int, src: str, srow: int, sub: int | None = None) -> None:
+        self.cuda.copy_row(self._cache(dst), drow, self._cache(src), srow, sub)
 
-    def prefill(self, batch: Batch) -> torch.Tensor:
-        ends = {i: sum(batch.q_lens[:i + 1]) - 1 for i in range(len(batch.q_lens))}
-        wanted = {int(r): i for i, e in ends.items() for r in batch.logit_rows.tolist() if r == e}
-        if len(wanted) != len(batch.logit_rows):
-            raise ValueError("prefill engines give logits of a sequence's last token only; "
-                             f"asked for rows {batch.logit_rows.tolist()}")
-        for i, c in enumerate(batch.ctx_lens):
-            if c == 0:                # the graph continues from the slot: a fresh sequence starts at zero
-                self._zero_kda_slot(int(batch.kda_slots[i]))
-        last = {}
-        for piece in prefill_slices(batch, self.prefill_caps):
-            name = f"prefill_t{piece.capacity}"
-            logits = self._run(name, prefill_inputs(batch, piece, self.layouts[name].spec, positions=self.rope))
-            if piece.last:
-                last[piece.seq] = torch.as_tensor(logits, device=self.device)[0].clone()
-        return torch.stack([last[wanted[int(r)]] for r in batch.logit_rows.tolist()]) if wanted else \
-            torch.empty(0, self.cfg.vocab_size, device=self.device)
-
-    def _zero_kda_slot(self, slot: int) -> None:
-        for layer in self._kda_layers():
-            for kind in ("kda_state", "kda_conv"):
-                self.cuda.zero_row(self._cache(f"{kind}_{layer}"), slot)
-
-    def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
-        for src, dst in pairs:        # in order: a later pair may read a slot an earlier one wrote
-            for layer in self._kda_layers():
-                for kind in ("kda_state", "kda_conv"):
-                    buf = self._cache(f"{kind}_{layer}")
-                    self.cuda.copy_row(buf, dst, buf, src)
-
-    def rollback_kda(self, slots: list[int], positions: list[int]) -> None:
-        for layer in self._kda_layers():
-            for kind in ("state", "conv"):
-                step = f"kda_step_{kind}_{layer}"
-                if step not in self.caches:
-                    raise RuntimeError("rollback_kda needs a verify engine with per-position KDA states")
-                dst, src = self._cache(f"kda_{kind}_{layer}"), self._cache(step)
-                for s, p in zip(slots, positions):
-                    self.cuda.copy_row(dst, s, src, s, sub=p)
+    def _sync(self) -> None:
         self.cuda.synchronize()

@@ -401,8 +401,8 @@ def test_the_torch_runtime_refuses_the_rtx_engine_dir_with_the_reason(rtx_engine
 
 def test_what_each_machine_is_told(rtx_engine, monkeypatch):
     """The refusals on other machines (the GPU query faked): an H200 (sm90), an RTX 4090 (sm89),
-    an RTX 5090 (sm120: it could run the engines, the runtime cannot yet). TrtSession refuses
-    before any CUDA or TensorRT call."""
+    an RTX 5090 (sm120: it runs the engines, through TrtSession on device cuda). TrtSession
+    refuses before any CUDA or TensorRT call."""
     ed = read_engine_dir(rtx_engine[0])
     kw = dict(backend=ed.backend, target=ed.target, verify=ed.capacities.verify, prefill=ed.capacities.prefill,
               spec_tokens=0, max_seq_len=64, dtype=None, kv_dtype=None)
@@ -415,8 +415,8 @@ def test_what_each_machine_is_told(rtx_engine, monkeypatch):
         with pytest.raises(EngineDirError, match=f"this machine cannot run it: {message}"):
             LLM(ed.path)
     monkeypatch.setattr(registry, "local_gpu_target", lambda: "sm120")
-    with pytest.raises(EngineDirError, match="could run it, but the TensorRT session .* is not wired"):
-        LLM(ed.path)
+    with pytest.raises(ValueError, match="run on the GPU: use device cuda"):
+        LLM(ed.path)                      # runnable there: LLM opens it with TrtSession, on the GPU
 
 
 def test_rtx_rebuild_reuses_every_unchanged_engine(rtx_engine, tiny_ckpt):

@@ -31,7 +31,8 @@ from k3trt.engine.capacities import Capacities
 from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs
 from k3trt.model.context import StepContext
 from k3trt.runtime.engine import Seq, make_batch
-from k3trt.runtime.trt_session import Cuda, cache_bytes, engine_layouts, prefill_inputs, prefill_slices, verify_inputs
+from k3trt.runtime.engine_io import prefill_inputs, prefill_slices, verify_inputs
+from k3trt.runtime.trt_session import Cuda, cache_bytes, engine_layouts
 
 BLOCK, MAX_SEQ = 16, 60
 needs_rtx = pytest.mark.skipif(not __import__("importlib").util.find_spec("tensorrt_rtx_bindings"),

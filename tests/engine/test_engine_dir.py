@@ -82,7 +82,7 @@ def test_refuses_other_backend(copy):
     _edit(copy, backend="tensorrt")
     with pytest.raises(EngineDirError, match="built for the 'tensorrt' backend"):
         LLM(copy)
-    _edit(copy, backend="onnx")
+    _edit(copy, backend="openvino")
     with pytest.raises(EngineDirError, match="unknown backend"):
         read_engine_dir(copy)
 
@@ -114,8 +114,8 @@ def test_build_refusals(tiny_ckpt, engine, tmp_path):
         build_engine(tiny_ckpt, tmp_path / "c", capacities=[4, 2])
     with pytest.raises(RuntimeError, match="backend 'tensorrt' is not installed; install it with"):
         build_engine(tiny_ckpt, tmp_path / "d", backend="tensorrt")      # never installable here
-    with pytest.raises(ValueError, match="unknown backend 'onnx'"):
-        build_engine(tiny_ckpt, tmp_path / "e", backend="onnx")
+    with pytest.raises(ValueError, match="unknown backend 'openvino'"):
+        build_engine(tiny_ckpt, tmp_path / "e", backend="openvino")
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".*"))
 
 

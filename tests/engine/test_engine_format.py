@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 RUNTIME_MODULES = ("k3trt.runtime", "k3trt.runtime.llm", "k3trt.runtime.trt_session", "k3trt.runtime.oneshot",
+                   "k3trt.runtime.onnx_session", "k3trt.runtime.engine_io", "k3trt.plugins.onnx_ort",
                    "k3trt.runtime.speculative.layer_skip", "k3trt.serve", "k3trt.serve.app", "k3trt.triton",
                    "k3trt.cli")
 ENGINE_MODULES = ("k3trt.engine", "k3trt.engine.engine_dir", "k3trt.engine.writer", "k3trt.engine.build_config",

@@ -85,7 +85,7 @@ def test_onnx_registry_is_the_ops_descriptions():
     assert set(onnx_ops.native_lowerings()) == {"mla_verify", "mla_cache_update", "kda_recurrent", "kda_chunked",
                                                 "short_conv", "moe_experts"}
     for op in onnx_ops.OPS:
-        if op.torch_name not in ("mla_cache_update", "moe_experts"):      # export-only, builder/export.py
+        if op.torch_name not in ("mla_cache_update", "moe_experts"):      # export-only, plugins/graph_ops.py
             tensors = [a.name for a in op.schema_args() if str(a.type) in ("Tensor", "Optional[Tensor]")]
             assert tensors == [p.name for p in op.inputs], op.torch_name
             assert hasattr(torch.ops.k3trt, op.torch_name)
