@@ -72,8 +72,12 @@ def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="rebuild every capacity even if OUTPUT holds engines built from the same inputs")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="worker processes building capacities in parallel (engine backends; each loads the model)")
+@click.option("--rtx-lowering", type=click.Choice(["plugin", "native"]), default="plugin", show_default=True,
+              help="plugin: k3trt ops as layers of the k3trt plugin library (k3trt build-plugins); native: "
+              "TensorRT-RTX's fallback without the library, the ops lowered to standard ONNX (dense MLA and "
+              "experts, KDA unrolled: prefill capacities <= 64)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target, check_onnx, force, workers) -> None:
+              block_size, target, check_onnx, force, workers, rtx_lowering) -> None:
     """Compile CHECKPOINT into an engine directory.
 
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
@@ -84,8 +88,22 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
                             dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx,
-                            force=force, workers=workers)
+                            force=force, workers=workers, rtx_lowering=rtx_lowering)
     except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(path))
+
+
+@main.command("build-plugins")
+@click.option("--arch", default="sm90a,sm120", show_default=True,
+              help="GPU architectures, comma-separated (engine targets: sm90 engines need sm90a)")
+@click.option("--force", is_flag=True, help="rebuild even when the cache holds the library")
+def build_plugins_cmd(arch: str, force: bool) -> None:
+    """Build the k3trt TensorRT plugin library (cached by content) and print its path."""
+    from k3trt.trt_plugin.build import PluginBuildError, build_library
+    try:
+        path = build_library(tuple(a.strip() for a in arch.split(",") if a.strip()), force=force)
+    except (PluginBuildError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))
 
