@@ -20,6 +20,7 @@ complete (engine/writer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -92,6 +93,10 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                         max_seq_len=min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
     caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
                            verify=capacities or None)
+    if backend != "torch" and caps.prefill[-1] > build.max_seq_len:
+        # a prefill graph holds one sequence's chunk: a capacity past max_seq_len could never run (nor export)
+        caps = dataclasses.replace(caps, prefill=tuple(t for t in caps.prefill if t <= build.max_seq_len))
+        log.info("prefill capacities up to max_seq_len %d: %s", build.max_seq_len, list(caps.prefill))
     check_output(output)
     if backend != "torch":
         return _build_trt(checkpoint, output, backend=backend, target=target, model_raw=model_raw,
