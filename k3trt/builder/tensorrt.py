@@ -11,6 +11,7 @@ the one implementation of the plugins for both backends. build_engine loads the 
 ``libtensorrt_rtx.so`` name its ONNX parser dlopens) and enables the preview feature
 ``ALIASED_PLUGIN_IO_10_03``, so that MlaCacheWrite writes the cache in place.
 
+Backends (imported lazily; neither is needed to import k3trt):
     tensorrt       full TensorRT >= 10.8 (``pip install tensorrt``; not installable in this
                    workplace: this path runs in CI against tests/fake_tensorrt.py, which checks
                    the API contracts it relies on). Builds for the GPU it runs on.
