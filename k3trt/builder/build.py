@@ -155,7 +155,9 @@ def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | No
         try:
             library = library_for(target_archs(target or registry.local_gpu_target() or ""))
         except (PluginBuildError, ValueError) as e:
-            raise checks.BuildError(f"the k3trt plugin library cannot be built: {e}") from None
+            fallback = (" (or build TensorRT-RTX's native fallback: --rtx-lowering native)"
+                        if backend == "tensorrt-rtx" else "")
+            raise checks.BuildError(f"the k3trt plugin library cannot be built: {e}{fallback}") from None
     options = BuildOptions(target=target, lowering=lowering, plugin_library=library.path if library else None)
     reports: list = []
     inputs: dict[str, Any] = {}

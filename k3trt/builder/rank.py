@@ -87,7 +87,8 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
     with onnxruntime when `check`, and build its engine when `engines` (else export only, no
     TensorRT needed). The graphs carry plugin nodes (the k3trt plugin library, built for the
     target when `options.plugin_library` is unset), or for TensorRT-RTX with
-    ``options.lowering="native"`` the native fallback; files: {name}.onnx, {name}.engine, {name}.engine.json (weight manifest, layer count,
+    ``options.lowering="native"`` the native fallback; files: {name}.onnx, {name}.engine,
+    {name}.engine.json (weight manifest, layer count,
     content key), weights.bin (+ weights.N.bin after a partial rebuild), weights.json.
 
     `model`: an nn.Module, or a ModelSource (loaded only if a graph must be exported; required

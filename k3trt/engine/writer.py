@@ -104,7 +104,8 @@ def write_engine_dir(output: str | Path, *, backend: str, target: str | None, mo
     file is hashed, config.json written, and tmp renamed to `output`. `output` must not exist, be
     empty, or be an engine dir (which is replaced once the new one is complete; `populate` may
     read it until then). `inputs` is written into config.json after populate ran (populate may
-    fill it in). `plugin_library`: the record of the plugin library the engines contain (loader.PluginLibrary.record)."""
+    fill it in). `plugin_library`: the record of the plugin library the engines contain
+    (loader.PluginLibrary.record)."""
     output = Path(output)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {BACKENDS}")
