@@ -123,7 +123,8 @@ def write_engine_dir(output: str | Path, *, backend: str, target: str | None, mo
                 log.info("hashing %s (%.1f MiB)", rel, p.stat().st_size / 2**20)
                 files[rel] = sha256_file(p)
             config = engine_config(backend=backend, target=target, model_raw=model_raw, build=build,
-                                   capacities=capacities, files=files, inputs=inputs, plugin_library=plugin_library)
+                                   capacities=capacities, files=files, inputs=inputs,
+                                   plugin_library=plugin_library)
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             _replace(tmp, output)
         except BaseException:
