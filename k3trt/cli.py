@@ -82,8 +82,12 @@ def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="decode-context-parallel ranks to plan the per-rank cache for")
 @click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
               help="expert-parallel ranks to plan the per-rank footprint for")
+@click.option("--rtx-lowering", type=click.Choice(["plugin", "native"]), default="plugin", show_default=True,
+              help="plugin: k3trt ops as layers of the k3trt plugin library (k3trt build-plugins); native: "
+              "TensorRT-RTX's fallback without the library, the ops lowered to standard ONNX (dense MLA and "
+              "experts, KDA unrolled: prefill capacities <= 64)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep) -> None:
+              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep, rtx_lowering) -> None:
     """Compile CHECKPOINT into an engine directory.
 
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
@@ -96,8 +100,22 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
                             dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx,
                             force=force, workers=workers, parallel=ParallelConfig(tp=tp, dcp=dcp, ep=ep),
-                            device_memory_gb=device_memory, echo=click.echo)
+                            device_memory_gb=device_memory, echo=click.echo, rtx_lowering=rtx_lowering)
     except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(str(path))
+
+
+@main.command("build-plugins")
+@click.option("--arch", default="sm90a,sm120", show_default=True,
+              help="GPU architectures, comma-separated (engine targets: sm90 engines need sm90a)")
+@click.option("--force", is_flag=True, help="rebuild even when the cache holds the library")
+def build_plugins_cmd(arch: str, force: bool) -> None:
+    """Build the k3trt TensorRT plugin library (cached by content) and print its path."""
+    from k3trt.trt_plugin.build import PluginBuildError, build_library  # noqa: PLC0415 (heavy: nvcc tooling)
+    try:
+        path = build_library(tuple(a.strip() for a in arch.split(",") if a.strip()), force=force)
+    except (PluginBuildError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))
 

@@ -1,9 +1,9 @@
 """Every check a TensorRT build can fail before its long work, in the order preflight runs them:
 the checkpoint (check_checkpoint), the backend installed, the target it can build for
-(check_target), the prefill capacities a native graph can hold (NATIVE_MAX_PREFILL), the disk
+(check_target), the prefill capacities a native-lowered graph can hold (NATIVE_MAX_PREFILL), the disk
 (estimate_build_bytes, check_disk). The backend registry itself (names, installed modules, lazy
 loading, runnable_here) is part of the engine format: k3trt/engine/backends.py;
-builder/tensorrt.py describes both backends and why TensorRT-RTX parses the native graphs.
+builder/tensorrt.py describes both backends, the plugin graphs and the native fallback.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from k3trt.engine import backends as registry
 from k3trt.engine.backends import INSTALL, RTX_TARGETS
 from k3trt.engine.capacities import Capacities
 
-NATIVE_MAX_PREFILL = 64      # native graphs unroll KDA's recurrence: graph size grows with T
+NATIVE_MAX_PREFILL = 64      # the native fallback unrolls KDA's recurrence: graph size grows with T
 
 
 class BuildError(RuntimeError):
@@ -86,19 +86,22 @@ def check_disk(directory: str | Path, need_bytes: int) -> None:
 
 
 def preflight(checkpoint: str | Path, output: str | Path, *, backend: str, target: str | None,
-              capacities: Capacities, dtype: str = "bf16") -> ModelConfig:
+              capacities: Capacities, dtype: str = "bf16", lowering: str = "plugin") -> ModelConfig:
     """Every check a TensorRT build can fail before its long work, in order; returns the ModelConfig."""
     cfg = check_checkpoint(checkpoint)
     if backend not in registry.installed_backends():
         raise BuildError(f"backend {backend!r} is not installed; install it with: {INSTALL[backend]}")
     target = check_target(backend, target)
-    if backend == "tensorrt-rtx":
-        if dtype == "bf16" and target == "sm75":
-            raise BuildError("sm75 has no bf16: build with --dtype fp16 or fp32, or another --target")
+    if backend == "tensorrt-rtx" and dtype == "bf16" and target == "sm75":
+        raise BuildError("sm75 has no bf16: build with --dtype fp16 or fp32, or another --target")
+    if lowering == "native":
+        if backend != "tensorrt-rtx":
+            raise BuildError("--rtx-lowering native is TensorRT-RTX's fallback; full TensorRT builds plugin graphs")
         big = [t for t in capacities.prefill if t > NATIVE_MAX_PREFILL]
         if big:
-            raise BuildError(f"TensorRT-RTX builds native graphs, which unroll the KDA recurrence: prefill "
-                             f"capacities {big} exceed {NATIVE_MAX_PREFILL}; lower --max-num-tokens")
+            raise BuildError(f"the native lowering unrolls the KDA recurrence: prefill capacities {big} exceed "
+                             f"{NATIVE_MAX_PREFILL}; lower --max-num-tokens, or build the plugin graphs "
+                             "(--rtx-lowering plugin, the default)")
     weight_bytes = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors"))
     scale = 2 if dtype == "fp32" else 1               # checkpoints ship 16-bit weights
     check_disk(output, estimate_build_bytes(weight_bytes * scale, len(capacities.verify) + len(capacities.prefill)))

@@ -22,6 +22,7 @@ complete (engine/writer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -47,6 +48,8 @@ from k3trt.model.checkpoint_check import validate_weights
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
 from k3trt.model.footprint import Footprint, footprint, local_device_memory
 from k3trt.parallel.config import ParallelConfig
+from k3trt.trt_plugin.build import PluginBuildError
+from k3trt.trt_plugin.loader import library_for, target_archs
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                  kv_dtype: str = "auto", dtype: str | torch.dtype = "bf16", block_size: int = 64,
                  max_seq_len: int | None = None, target: str | None = None, check_onnx: bool = False,
                  force: bool = False, workers: int = 1, parallel: ParallelConfig | None = None,
-                 device_memory_gb: float | None = None, echo: Callable[[str], None] | None = None) -> Path:
+                 device_memory_gb: float | None = None, echo: Callable[[str], None] | None = None,
+                 rtx_lowering: str = "plugin") -> Path:
     """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
     the largest being the live-request limit); prefill token capacities are the powers of two up
     to max_num_tokens (engine/capacities.py). `output` may be an existing engine dir: it is
@@ -81,7 +85,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     Before any long work the build reports the model's footprint (parameters, weight bytes per
     device, or per rank of `parallel`; the cache plan) through the log and `echo`, and stops with
     DoesNotFitError when the weights exceed `device_memory_gb` (GiB; default: the visible GPU's memory;
-    no GPU, no check)."""
+    no GPU, no check). `rtx_lowering`: "plugin" (k3trt ops as plugin layers of the k3trt plugin library) or "native"
+    (TensorRT-RTX's fallback: the ops lowered to standard ONNX, prefill capacities <= 64)."""
     checkpoint, output = Path(checkpoint), Path(output)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -99,13 +104,18 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                      device_memory_gb, echo)
     caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
                            verify=capacities or None)
+    if backend != "torch" and caps.prefill[-1] > build.max_seq_len:
+        # a prefill graph holds one sequence's chunk: a capacity past max_seq_len could never run (nor export)
+        caps = dataclasses.replace(caps, prefill=tuple(t for t in caps.prefill if t <= build.max_seq_len))
+        log.info("prefill capacities up to max_seq_len %d: %s", build.max_seq_len, list(caps.prefill))
     check_output(output)
     if backend == "onnx":
         return _build_onnx(checkpoint, output, cfg=cfg, target=target, model_raw=model_raw, build=build, caps=caps,
                            check_onnx=check_onnx, workers=workers)
     if backend != "torch":
         return _build_trt(checkpoint, output, backend=backend, target=target, model_raw=model_raw,
-                          build=build, caps=caps, check_onnx=check_onnx, force=force, workers=workers)
+                          build=build, caps=caps, check_onnx=check_onnx, force=force, workers=workers,
+                          lowering=rtx_lowering)
     if workers > 1:
         log.info("--workers applies to engine backends; the torch backend links the checkpoint")
     with CheckpointReader(checkpoint) as reader:     # headers and index only: cheap, catches broken shards
@@ -157,13 +167,25 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | None, model_raw: dict,
-               build: BuildConfig, caps: Capacities, check_onnx: bool, force: bool, workers: int) -> Path:
-    """One ONNX graph + engine per capacity under rank0/ (see builder/rank.py)."""
+               build: BuildConfig, caps: Capacities, check_onnx: bool, force: bool, workers: int,
+               lowering: str) -> Path:
+    """One ONNX graph + engine per capacity under rank0/ (see builder/rank.py); plugin graphs
+    take the plugin library built for the target, recorded in config.json."""
     t_start = time.perf_counter()
-    cfg = checks.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype)
+    cfg = checks.preflight(checkpoint, output, backend=backend, target=target, capacities=caps, dtype=build.dtype,
+                           lowering=lowering)
     if check_onnx and build.dtype != "fp32":
         raise ValueError("--check-onnx compares with onnxruntime in fp32: build with --dtype fp32")
     target = checks.check_target(backend, target)
+    library = None
+    if lowering == "plugin":
+        try:
+            library = library_for(target_archs(target or registry.local_gpu_target() or ""))
+        except (PluginBuildError, ValueError) as e:
+            fallback = (" (or build TensorRT-RTX's native fallback: --rtx-lowering native)"
+                        if backend == "tensorrt-rtx" else "")
+            raise checks.BuildError(f"the k3trt plugin library cannot be built: {e}{fallback}") from None
+    options = BuildOptions(target=target, lowering=lowering, plugin_library=library.path if library else None)
     reports: list = []
     inputs: dict[str, Any] = {}
 
@@ -181,7 +203,7 @@ def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | No
         reports.extend(rank.build_rank(
             rank.ModelSource(checkpoint, build.torch_dtype), cfg, caps, tmp / "rank0", backend=backend,
             block_size=build.block_size, max_seq_len=build.max_seq_len, kv_dtype=build.kv_torch_dtype,
-            kv_scale=build.kv_scale, check=check_onnx, options=BuildOptions(target=target), workers=workers,
+            kv_scale=build.kv_scale, check=check_onnx, options=options, workers=workers,
             inputs_digest=digest, previous=prev, force=force, known_digests=known))
         inputs["capacities"] = {r.name: json.loads(Path(f"{r.engine}.json").read_text()).get("key") for r in reports}
         (tmp / "tokenizer").mkdir()
@@ -191,7 +213,8 @@ def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | No
         return {f"rank0/{k}": v for k, v in known.items()}
 
     path = write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
-                            capacities=caps, populate=populate, inputs=inputs)
+                            capacities=caps, populate=populate, inputs=inputs,
+                            plugin_library=library.record() if library else None)
     log.info("%s", summary_table(reports, backend, target, time.perf_counter() - t_start))
     return path
 

@@ -11,6 +11,9 @@ model once); weights are shared in capacity order in the parent, so the files eq
 build's. Engines are not byte-reproducible on TensorRT-RTX 1.7 even serially (the order of the
 I/O tensors in the plan varies run to run; same size), which is why reuse links files rather
 than comparing rebuilt ones.
+Weights: the rank holds one copy. Every graph's initializers point into the shared data files
+(export.share_weights), and every engine takes its large weights as inputs
+(tensorrt.weights_to_inputs): no engine embeds a copy; the session binds the one device copy.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ import torch
 
 from k3trt.builder.backends import BuildError
 from k3trt.builder.export import export_graph, share_weights
-from k3trt.builder.onnx_ops import OPS, check_graph
-from k3trt.builder.tensorrt import BuildOptions, EngineReport, build_engine, register_plugins
-from k3trt.engine.backends import MODULES, Backend, load_backend
+from k3trt.builder.onnx_ops import check_graph
+from k3trt.builder.tensorrt import LOWERINGS, BuildOptions, EngineReport, build_engine
+from k3trt.engine.backends import MODULES, Backend, load_backend, local_gpu_target
 from k3trt.engine.engine_dir import sha256_file
 from k3trt.engine.graph_io import GraphSpec, graph_specs
 from k3trt.model.loader import load_model
+from k3trt.trt_plugin.loader import library_for, target_archs
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,8 @@ def capacity_key(spec, *, inputs_digest: str, backend: str, backend_version: str
            "spec": {f: str(getattr(spec, f)) for f in GraphSpec.__dataclass_fields__},
            "backend": backend, "backend_version": backend_version, "target": options.target,
            "weights_as_inputs": options.weights_as_inputs, "workspace_bytes": options.workspace_bytes,
-           "num_blocks": list(options.num_blocks), "num_slots": list(options.num_slots)}
+           "num_blocks": list(options.num_blocks), "num_slots": list(options.num_slots),
+           "plugin_library": options.plugin_library.name if options.plugin_library and not native else None}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -88,8 +93,10 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
                known_digests: dict[str, str] | None = None) -> list[EngineReport]:
     """Export every capacity's graph into `rank_dir` (weights shared in weights.bin), check each
     with onnxruntime when `check`, and build its engine when `engines` (else export only, no
-    TensorRT needed). The graphs are the native ones for TensorRT-RTX and the plugin ones for
-    TensorRT; files: {name}.onnx, {name}.engine, {name}.engine.json (weight manifest, layer count,
+    TensorRT needed). The graphs carry plugin nodes (the k3trt plugin library, built for the
+    target when `options.plugin_library` is unset), or for TensorRT-RTX with
+    ``options.lowering="native"`` the native fallback; files: {name}.onnx, {name}.engine,
+    {name}.engine.json (weight manifest, layer count,
     content key), weights.bin (+ weights.N.bin after a partial rebuild), weights.json.
 
     `model`: an nn.Module, or a ModelSource (loaded only if a graph must be exported; required
@@ -104,10 +111,14 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
         raise BuildError(f"unknown TensorRT backend {backend!r}; choose one of {sorted(MODULES)}")
     if workers > 1 and not isinstance(model, ModelSource):
         raise BuildError("build workers load the model themselves: pass a ModelSource, not a module")
+    if options.lowering not in LOWERINGS:
+        raise BuildError(f"lowering {options.lowering!r}: choose one of {LOWERINGS}")
+    native = options.lowering == "native"          # the graphs that build parses, engines or not
+    if native and backend != "tensorrt-rtx":
+        raise BuildError("the native lowering is TensorRT-RTX's fallback; full TensorRT builds the plugin graphs")
     be = load_backend(backend) if engines else None
-    native = backend == "tensorrt-rtx"              # the graphs that backend parses, engines or not
-    if be is not None and not native:
-        register_plugins(be, {op.op_type for op in OPS if op.torch_name != "merge_attn_states"})
+    if be is not None and not native and options.plugin_library is None:
+        options = dataclasses.replace(options, plugin_library=library_for(_archs(be, options)).path)
     rank_dir = Path(rank_dir)
     rank_dir.mkdir(parents=True, exist_ok=True)
     dtype = model.dtype if isinstance(model, ModelSource) else next(model.parameters()).dtype
@@ -152,6 +163,14 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
     (rank_dir / WEIGHT_TABLE).write_text(json.dumps(
         {"tensors": [[name, sha, loc, off, n] for (name, sha), (loc, off, n) in table.items()]}, indent=0) + "\n")
     return [reports[s.name] for s in specs] if engines else []
+
+
+def _archs(be: Backend, options: BuildOptions) -> tuple[str, ...]:
+    """The plugin library's architectures: the engine target's (full TensorRT: the local GPU's)."""
+    target = options.target or local_gpu_target()
+    if target is None:
+        raise BuildError(f"{be.name}: no target to build the plugin library for (pass --target)")
+    return target_archs(target)
 
 
 def _export(model, cfg, spec, rank_dir: Path, i: int, *, native: bool, check: bool, total: int, **_) -> Path:

@@ -1,28 +1,29 @@
 """TensorRT and TensorRT-RTX engines from the exported ONNX graphs, one module for both: the
-plugins a graph needs (register_plugins), the nodes a parser cannot import (blocking_nodes), and one
-graph's engine (build_engine). Backend discovery and the checks before a build: builder/backends.py;
-a whole rank's graphs and engines (content-keyed reuse, worker processes): builder/rank.py.
+nodes a parser cannot import (blocking_nodes), the layers it makes of a graph (parsed_layers), and
+one graph's engine (build_engine). Backend discovery and the checks before a build:
+builder/backends.py; a whole rank's graphs and engines (content-keyed reuse, worker processes):
+builder/rank.py; the plugin library: k3trt/trt_plugin/ (docs/trt_plugins.md).
+
+Both backends parse the *plugin* graphs: each k3trt node (domain ``k3trt``) becomes the
+``IPluginV3`` plugin of the C++ library k3trt/trt_plugin/ registered as ``k3trt::<op_type>/1``,
+the one implementation of the plugins for both backends. build_engine loads the library
+(trt_plugin/loader.py: ``IPluginRegistry.load_library``; for TensorRT-RTX first the
+``libtensorrt_rtx.so`` name its ONNX parser dlopens) and enables the preview feature
+``ALIASED_PLUGIN_IO_10_03``, so that MlaCacheWrite writes the cache in place.
 
 Backends (imported lazily; neither is needed to import k3trt):
     tensorrt       full TensorRT >= 10.8 (``pip install tensorrt``; not installable in this
-                   workplace, so this path is written to NVIDIA's documentation and was not run).
-                   Parses the *plugin* graphs: each k3trt node becomes the plugin registered under
-                   its op_type in namespace ``k3trt`` by the op's ``k3trt.plugins.<op>_trt``
-                   module (``tensorrt.plugin``: register + aot_impl, so engines need no Python).
-                   Builds for the GPU it runs on.
+                   workplace: this path runs in CI against tests/fake_tensorrt.py, which checks
+                   the API contracts it relies on). Builds for the GPU it runs on.
     tensorrt-rtx   TensorRT-RTX 1.7 (module ``tensorrt_rtx_bindings``). Builds on a CPU-only
-                   machine (AOT) for SM75/80/86/89/120/121. Parses the *native* graphs (the k3trt
-                   ops lowered to standard ONNX, onnx_ops.native_lowerings), because it cannot take
-                   the plugins from Python (measured 2026-12-02, tests/builder/test_tensorrt_rtx.py keeps
-                   the reproductions):
-                   - a Python ``IPluginCreatorV3One`` registers (True) and its ``create_plugin`` runs,
-                     then the ONNX parser calls std::terminate inside libtensorrt_onnxparser_rtx
-                     ("terminate called without an active exception", no plugin method called);
-                   - a ``IPluginCreatorV3Quick`` (what ``tensorrt.plugin`` uses) is refused: "TensorRT-RTX
-                     imports IPluginV3 plugins registered with an IPluginCreatorV3One creator only";
-                   - the network API has no add_plugin*, and creators report APILanguage.PYTHON
-                     (read-only). Only C++ IPluginCreatorV3One libraries remain, and the wheel ships
-                     no headers to build one against.
+                   machine (AOT) for SM75/80/86/89/120/121. Plugins from Python do not work there:
+                   a ``IPluginCreatorV3Quick`` (what ``tensorrt.plugin`` uses) is refused ("imports
+                   IPluginV3 plugins registered with an IPluginCreatorV3One creator only"), and the
+                   network API has no add_plugin*; C++ ``IPluginCreatorV3One`` libraries load.
+                   ``BuildOptions.lowering="native"`` is the explicit fallback without the library:
+                   every k3trt op lowered to standard ONNX (onnx_ops.native_lowerings: the MLA
+                   einsum over the full block table, every expert on every token, the KDA
+                   recurrence unrolled, so prefill capacities <= 64).
                    Timing caches are no-ops in RTX 1.2+ (it compiles kernels at first run).
 
 Engines: one per capacity, because the graphs are static in their step dimension (the model's
@@ -37,7 +38,6 @@ CUDA device to build on RTX: "MyelinCheckException ... status == CUDA_SUCCESS".)
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import time
@@ -46,31 +46,16 @@ from pathlib import Path
 from typing import Any
 
 from k3trt.builder.backends import BuildError, check_target
-from k3trt.builder.onnx_ops import BY_OP_TYPE
 from k3trt.engine.backends import Backend
+from k3trt.trt_plugin.loader import load_into
 
 log = logging.getLogger(__name__)
 
 WEIGHT_INPUT_MIN_ELEMENTS = 4096     # smaller initializers stay constants (norm weights, biases)
 
 
-# ------------------------------------------------------------------------------ plugins
-def register_plugins(backend: Backend, op_types: set[str]) -> None:
-    """Make the plugins for `op_types` known to the backend, or say which cannot be."""
-    if backend.is_rtx:
-        raise BuildError(f"TensorRT-RTX cannot load the k3trt plugins from Python ({sorted(op_types)}): its ONNX "
-                         "parser aborts on Python IPluginCreatorV3One plugins and refuses tensorrt.plugin ones; "
-                         "build the native graphs instead (this module's docstring has the details)")
-    missing = []
-    for op_type in sorted(op_types):
-        module = f"k3trt.plugins.{BY_OP_TYPE[op_type].torch_name}_trt"
-        try:
-            importlib.import_module(module)      # registers "k3trt::<op_type>" with tensorrt.plugin
-        except ImportError:
-            missing.append(f"{op_type} ({module})")
-    if missing:
-        raise BuildError(f"no TensorRT plugin for {', '.join(missing)}: each k3trt node needs a module that "
-                         "registers it with tensorrt.plugin (register + aot_impl)")
+# ------------------------------------------------------------------------------ parsing
+LOWERINGS = ("plugin", "native")     # how k3trt ops reach the engine: plugin layers, or the native fallback
 
 
 def blocking_nodes(backend: Backend, onnx_path: str | Path) -> list[str]:
@@ -89,6 +74,22 @@ def blocking_nodes(backend: Backend, onnx_path: str | Path) -> list[str]:
     return out
 
 
+def parsed_layers(backend: Backend, onnx_path: str | Path, plugin_library: Path | None = None) -> list[tuple[str, str]]:
+    """(layer name, layer type) of the network the parser makes of a graph (with the plugin
+    library loaded when given): what the engine is built from."""
+    trt = backend.trt
+    if plugin_library is not None:
+        load_into(trt, plugin_library, rtx=backend.is_rtx)
+    logger = trt.Logger(trt.Logger.ERROR)
+    network = trt.Builder(logger).create_network(_strongly_typed(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise BuildError(f"{backend.name} cannot parse {Path(onnx_path).name}: " + "; ".join(errors))
+    return [(network.get_layer(i).name, str(network.get_layer(i).type).split(".")[-1])
+            for i in range(network.num_layers)]
+
+
 # ------------------------------------------------------------------------------ building
 @dataclass(frozen=True)
 class BuildOptions:
@@ -97,6 +98,8 @@ class BuildOptions:
     workspace_bytes: int | None = None               # None: the backend's default (RTX on a CPU-only
                                                     # machine fails to allocate an explicit 1 GiB pool)
     timing_cache: Path | None = None                # full TRT only (RTX: no-op)
+    lowering: str = "plugin"                        # LOWERINGS; "native": RTX only, the fallback (module doc)
+    plugin_library: Path | None = None              # the k3trt plugin library (plugin graphs; rank.py builds it)
     # profile ranges of the dynamic cache dimensions: (min, opt, max)
     num_blocks: tuple[int, int, int] = (1, 4096, 65536)
     num_slots: tuple[int, int, int] = (1, 64, 1024)
@@ -146,6 +149,12 @@ def build_engine(backend: Backend, onnx_path: str | Path, engine_path: str | Pat
     trt = backend.trt
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     target = check_target(backend.name, options.target)
+    plugins = options.lowering == "plugin"
+    if plugins:
+        if options.plugin_library is None:
+            raise BuildError(f"{onnx_path.name}: a plugin graph needs BuildOptions.plugin_library (the k3trt plugin "
+                             "library, k3trt.trt_plugin.loader.library_for)")
+        load_into(trt, options.plugin_library, rtx=backend.is_rtx)
     t0 = time.perf_counter()
     manifest: list[dict] = []
     parse_path = onnx_path
@@ -169,6 +178,9 @@ def build_engine(backend: Backend, onnx_path: str | Path, engine_path: str | Pat
     if backend.is_rtx:
         config.num_compute_capabilities = 1
         config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0)
+    if plugins:
+        # MlaCacheWrite's cache_out aliases its cache input; without this TensorRT refuses the aliasing
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     cache = _load_timing_cache(backend, config, options.timing_cache)
     _add_profile(builder, network, config, options, _dynamic_dims(onnx_path))
     log.info("%s: building %s engine for %s (%d layers)", onnx_path.stem, backend.name, target, network.num_layers)

@@ -2,7 +2,7 @@
 
     ENGINE_DIR/config.json   {"format_version": 1, "k3trt_version", "backend", "target",
                               "model": the checkpoint's config.json (as read),
-                              "build": BuildConfig, "capacities": Capacities,
+                              "build": BuildConfig (+ "plugin_library"), "capacities": Capacities,
                               "files": {relative path: sha256 hex}, "inputs" (optional)}
     ENGINE_DIR/rank0/        backend files (torch: the checkpoint's config + safetensors shards)
     ENGINE_DIR/tokenizer/    tokenizer files + chat template (optional)
@@ -11,6 +11,11 @@ This module reads and verifies a directory (``read_engine_dir``) and owns the co
 document (``engine_config``); writing one atomically under the build lock is engine/writer.py.
 Reading checks the format version, the backend and every listed file's checksum, and refuses
 with a message that says what to do.
+
+``build.plugin_library`` (engines with k3trt plugin layers) names the plugin library the engines
+were built with: {"file", "sha256", "archs"}. Reading such a dir finds that library
+(trt_plugin/loader.find_library: ``$K3TRT_PLUGIN_LIBRARY``, else the build cache) and refuses
+it missing or different, with the ``k3trt build-plugins`` command that builds it.
 
 ``inputs`` (optional) records what the files were built from (builder/build.py: checkpoint file
 hashes, k3trt version and code digest, one content key per capacity), so that a rebuild can
@@ -32,6 +37,7 @@ from k3trt.config import ModelConfig
 from k3trt.engine.backends import BACKENDS, runnable_here
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
+from k3trt.trt_plugin.loader import PluginLibraryError, find_library
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,17 @@ class EngineDir:
     files: dict[str, str]
     k3trt_version: str
     inputs: dict[str, Any] = field(default_factory=dict)   # what the build was made from (see module doc)
+    plugin_library: dict[str, Any] | None = None           # the plugin library's record (see module doc)
+
+    def plugin_library_path(self) -> Path | None:
+        """The engines' plugin library on this machine, checked (EngineDirError if missing or
+        different), or None for engines without plugins."""
+        if self.plugin_library is None:
+            return None
+        try:
+            return find_library(self.plugin_library)
+        except PluginLibraryError as e:
+            raise EngineDirError(f"{self.path}: {e}") from None
 
     @property
     def rank_dir(self) -> Path:
@@ -80,10 +97,14 @@ def is_engine_dir(path: Path) -> bool:
 
 
 def engine_config(*, backend: str, target: str | None, model_raw: dict[str, Any], build: BuildConfig,
-                  capacities: Capacities, files: dict[str, str], inputs: dict[str, Any] | None = None) -> dict:
+                  capacities: Capacities, files: dict[str, str], inputs: dict[str, Any] | None = None,
+                  plugin_library: dict[str, Any] | None = None) -> dict:
     """The config.json document of an engine dir (what read_engine_dir parses back)."""
+    build_doc = dataclasses.asdict(build)
+    if plugin_library is not None:
+        build_doc["plugin_library"] = dict(plugin_library)
     config = {"format_version": FORMAT_VERSION, "k3trt_version": k3trt.__version__, "backend": backend,
-              "target": target, "model": model_raw, "build": dataclasses.asdict(build),
+              "target": target, "model": model_raw, "build": build_doc,
               "capacities": capacities.to_dict(), "files": files}
     if inputs:
         config["inputs"] = inputs
@@ -114,9 +135,11 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
         raise EngineDirError(f"{path} was built for the {got!r} backend but this runtime runs {backend!r}: "
                              f"rebuild it with `k3trt build CHECKPOINT --output DIR --backend {backend}`")
     try:
+        build = dict(raw["build"])
+        plugin_library = build.pop("plugin_library", None)
         ed = EngineDir(path=path, backend=got, target=raw.get("target"),
                        model=ModelConfig.from_dict(raw["model"]), model_raw=raw["model"],
-                       build=BuildConfig(**raw["build"]),
+                       build=BuildConfig(**build), plugin_library=plugin_library,
                        capacities=Capacities.from_dict(raw["capacities"]),
                        files=dict(raw["files"]), k3trt_version=raw.get("k3trt_version", "?"),
                        inputs=dict(raw.get("inputs") or {}))
@@ -132,6 +155,8 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
             if sha256_file(f) != digest:
                 raise EngineDirError(f"{path}: checksum of {rel} does not match {CONFIG_NAME} (the file was "
                                      f"modified or corrupted); copy it again or {REBUILD}")
+    if verify_checksums:            # the plugin library is part of the engines: refuse it missing or changed
+        ed.plugin_library_path()
     return ed
 
 

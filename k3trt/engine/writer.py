@@ -98,13 +98,14 @@ def remove_stale(output: Path) -> list[Path]:
 
 def write_engine_dir(output: str | Path, *, backend: str, target: str | None, model_raw: dict[str, Any],
                      build: BuildConfig, capacities: Capacities, populate: Callable[[Path], Any],
-                     inputs: dict[str, Any] | None = None) -> Path:
+                     inputs: dict[str, Any] | None = None, plugin_library: dict[str, Any] | None = None) -> Path:
     """`populate(tmp)` puts the backend and tokenizer files under tmp (and may return
     {relative path: sha256} of files it already verified, which are not hashed again); then every
     file is hashed, config.json written, and tmp renamed to `output`. `output` must not exist, be
     empty, or be an engine dir (which is replaced once the new one is complete; `populate` may
     read it until then). `inputs` is written into config.json after populate ran (populate may
-    fill it in)."""
+    fill it in). `plugin_library`: the record of the plugin library the engines contain
+    (loader.PluginLibrary.record)."""
     output = Path(output)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {BACKENDS}")
@@ -122,7 +123,8 @@ def write_engine_dir(output: str | Path, *, backend: str, target: str | None, mo
                 log.info("hashing %s (%.1f MiB)", rel, p.stat().st_size / 2**20)
                 files[rel] = sha256_file(p)
             config = engine_config(backend=backend, target=target, model_raw=model_raw, build=build,
-                                   capacities=capacities, files=files, inputs=inputs)
+                                   capacities=capacities, files=files, inputs=inputs,
+                                   plugin_library=plugin_library)
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             _replace(tmp, output)
         except BaseException:

@@ -7,8 +7,8 @@ serialized engine for SM120 from each on this (CPU-only) machine.
 RTX's ONNX parser dlopens ``libtensorrt_rtx.so`` (the unversioned name) when it imports a plugin
 node, and the wheel ships only ``libtensorrt_rtx.so.1``: without that name the parser throws
 inside a noexcept path and the process aborts ("terminate called without an active exception").
-So the probe re-runs itself with ``LD_LIBRARY_PATH`` holding a ``libtensorrt_rtx.so`` symlink
-(rtx_link_dir); ``--no-link`` skips that and shows the abort.
+So the probe first loads the ``libtensorrt_rtx.so`` name shim (trt_plugin/loader.py), as the
+engine builder does; ``--no-link`` skips that and shows the abort.
 
 Each step prints ``STEP <name>`` before it runs and ``DONE <name> ...`` after, flushed, so that
 when RTX aborts the process the last STEP line names the call that did not return; run it in a
@@ -18,52 +18,21 @@ subprocess (tests/trt_plugin/test_trt_plugin.py does). docs/trt_plugins.md recor
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from onnx import TensorProto, helper
 
 from k3trt.builder.onnx_ops import BY_OP_TYPE
-from k3trt.trt_plugin.build import build_library, cache_dir
+from k3trt.trt_plugin.build import build_library
 from k3trt.trt_plugin.cases import all_cases
+from k3trt.trt_plugin.loader import OP_TYPES, preload_rtx_name
 
-OP_TYPES = ("MergeAttnStates", "MlaVerify", "MlaCacheWrite", "KdaRecurrent", "KdaChunked", "ShortConv", "MoeExperts")
 ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
                torch.bfloat16: TensorProto.BFLOAT16, torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN,
                torch.int32: TensorProto.INT32, torch.int64: TensorProto.INT64}
-
-
-def rtx_link_dir() -> Path:
-    """A directory holding ``libtensorrt_rtx.so`` -> the wheel's ``libtensorrt_rtx.so.1``."""
-    spec = importlib.util.find_spec("tensorrt_rtx_libs")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("TensorRT-RTX is not installed: pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
-                           "tensorrt-rtx-cu13-bindings==1.7.1.116")
-    real = Path(next(iter(spec.submodule_search_locations))) / "libtensorrt_rtx.so.1"
-    link_dir = cache_dir() / "rtx_link"
-    link_dir.mkdir(parents=True, exist_ok=True)
-    link = link_dir / "libtensorrt_rtx.so"
-    if not link.is_symlink() or os.readlink(link) != str(real):
-        tmp = link_dir / f".libtensorrt_rtx.so.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(real)
-        os.replace(tmp, link)
-    return link_dir
-
-
-def rtx_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default os.environ) with rtx_link_dir first on LD_LIBRARY_PATH (read at process start,
-    so it applies to a child process)."""
-    env = dict(os.environ if env is None else env)
-    parts = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    link = str(rtx_link_dir())
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([link, *(p for p in parts if p != link)])
-    return env
 
 
 def graph_bytes(op: str) -> bytes:
@@ -138,8 +107,6 @@ def _build_one(trt, logger, registry, op: str) -> bool:
     return True
 
 
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m k3trt.trt_plugin.rtx_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--op", choices=[*OP_TYPES, "all"], default="MergeAttnStates")
@@ -147,9 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-link", action="store_true", help="do not provide libtensorrt_rtx.so (shows the abort)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.no_link and str(rtx_link_dir()) not in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
-        argv = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, "-m", "k3trt.trt_plugin.rtx_probe", *argv], rtx_env())
+    if not args.no_link:
+        step("rtx_name_shim", preload_rtx_name)
     sys.exit(probe(list(OP_TYPES) if args.op == "all" else [args.op], args.library))
 
 

@@ -302,7 +302,7 @@ def test_cli_refuses_a_checkpoint_that_is_not_k3(backend, tmp_path, no_long_work
     (["--capacities", "1,x"], 2, "expected comma-separated integers like 1,2,4,8"),
     (["--capacities", "0,1"], 2, "[0] are not integers in 1.."),
     (["--capacities", "64", "--max-num-tokens", "8"], 1, "raise max_num_tokens or lower the capacities"),
-    (["--backend", "tensorrt-rtx", "--target", "sm120", "--max-num-tokens", "128"], 1,
+    (["--backend", "tensorrt-rtx", "--target", "sm120", "--max-num-tokens", "128", "--rtx-lowering", "native"], 1,
      "prefill capacities [128] exceed 64"),
 ])
 def test_cli_refuses_invalid_capacities(args, exit_code, message, tiny_ckpt, tmp_path, no_long_work):

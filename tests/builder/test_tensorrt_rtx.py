@@ -1,15 +1,19 @@
 """TensorRT-RTX (CPU-only AOT builds for SM120) and the TensorRT session's GPU-free parts.
 
-The plugin findings are kept as reproductions run in subprocesses (an abort must not kill pytest):
-a Python IPluginCreatorV3One plugin aborts RTX's ONNX parser (expected failure, strict: if a
-later RTX fixes it the test turns red and says so); a tensorrt.plugin-style "Quick" creator is
-refused with a message. The native graphs (k3trt ops lowered to standard ONNX) build real SM120
-engines for the tiny model."""
+The plugin graphs build real SM120 engines for the tiny model, every k3trt node a plugin layer of
+the C++ plugin library (k3trt/trt_plugin/); the native fallback (k3trt ops lowered to standard
+ONNX) builds too. RTX's handling of Python plugins is kept as reproductions run in subprocesses
+(an abort must not kill pytest): a Python IPluginCreatorV3One plugin builds once
+``libtensorrt_rtx.so`` resolves (the name shim of trt_plugin/loader.py; the builder uses the C++
+library, not Python plugins, for both backends); a tensorrt.plugin-style "Quick" creator is
+refused with a message."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +27,9 @@ from k3trt.builder.backends import (
     estimate_build_bytes,
     preflight,
 )
-from k3trt.builder.export import StepGraph, export_graph, export_mode, model_cache
+from k3trt.builder.export import StepGraph, export_mode, model_cache
 from k3trt.builder.rank import build_rank
-from k3trt.builder.tensorrt import BuildOptions, blocking_nodes, register_plugins
+from k3trt.builder.tensorrt import BuildOptions, blocking_nodes, build_engine, parsed_layers
 from k3trt.engine.backends import Backend, BackendError, load_backend
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs
@@ -35,12 +39,15 @@ from k3trt.runtime.engine_io import prefill_inputs, prefill_slices, verify_input
 from k3trt.runtime.trt_session import Cuda, cache_bytes, engine_layouts
 
 BLOCK, MAX_SEQ = 16, 60
+REPO = Path(__file__).resolve().parents[1]
 needs_rtx = pytest.mark.skipif(not __import__("importlib").util.find_spec("tensorrt_rtx_bindings"),
                                reason="TensorRT-RTX not installed (pip install tensorrt-rtx-cu13-libs==1.7.1.116 "
                                       "tensorrt-rtx-cu13-bindings==1.7.1.116)")
 
 _PLUGIN_PRELUDE = textwrap.dedent('''
     import sys
+    from k3trt.trt_plugin.loader import preload_rtx_name
+    preload_rtx_name()        # the parser dlopens libtensorrt_rtx.so when it imports a plugin node
     import tensorrt_rtx_bindings as trt
     from onnx import TensorProto, helper
 
@@ -120,17 +127,18 @@ _QUICK = _PLUGIN_PRELUDE + textwrap.dedent('''
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO)
 
 
 @needs_rtx
-@pytest.mark.xfail(strict=True, reason="TensorRT-RTX 1.7 cannot use Python plugins: after create_plugin returns, "
-                   "libtensorrt_onnxparser_rtx calls std::terminate ('terminate called without an active "
-                   "exception') before any plugin method runs")
 def test_rtx_builds_with_a_python_v3one_plugin():
+    """With libtensorrt_rtx.so resolvable, RTX runs a Python IPluginCreatorV3One plugin's build
+    capability (without it the parser aborts right after create_plugin: test_trt_plugin.py)."""
     r = _run(_V3ONE)
     assert "REGISTERED True" in r.stdout and "CALLED create_plugin" in r.stdout, r.stdout + r.stderr
-    # what happens today: the process dies by SIGABRT right after create_plugin
+    assert "CALLED get_output_shapes" in r.stdout, r.stdout
     assert r.returncode == 0 and "RESULT ok" in r.stdout, (
         f"rc={r.returncode}; stdout={r.stdout[-400:]!r}; stderr={r.stderr[-400:]!r}")
 
@@ -194,22 +202,47 @@ def test_preflight_for_rtx(tiny_ckpt, tmp_path):
         return preflight(tiny_ckpt, tmp_path / "e", backend="tensorrt-rtx", target=target,
                          capacities=Capacities((1,), prefill))
 
+    assert run("sm120", (1, 128, 8192)).num_hidden_layers == 4        # plugin graphs: no prefill cap
     with pytest.raises(BuildError, match="exceed 64"):
-        run("sm120", (1, 128))
+        preflight(tiny_ckpt, tmp_path / "e", backend="tensorrt-rtx", target="sm120",
+                  capacities=Capacities((1,), (1, 128)), lowering="native")
     with pytest.raises(BuildError, match="sm75 has no bf16"):
         run("sm75", (1,))
     cfg = run("sm120", (1,))
     assert cfg.num_hidden_layers == 4
 
 
-def test_plugin_registration_names_what_is_missing():
-    with pytest.raises(BuildError, match="TensorRT-RTX cannot load the k3trt plugins"):
-        register_plugins(Backend("tensorrt-rtx", None), {"MlaVerify"})
-    with pytest.raises(BuildError, match="KdaRecurrent \\(k3trt.plugins.kda_recurrent_trt\\)"):
-        register_plugins(Backend("tensorrt", None), {"KdaRecurrent", "ShortConv"})
+def test_lowering_choices_are_checked(tiny_model, tmp_path):
+    cfg, model = tiny_model
+    caps = Capacities((1,), (1,), 3)
+    with pytest.raises(BuildError, match="native lowering is TensorRT-RTX's fallback"):
+        build_rank(model, cfg, caps, tmp_path, backend="tensorrt", block_size=BLOCK, max_seq_len=MAX_SEQ,
+                   options=BuildOptions(target="sm120", lowering="native"))
+    with pytest.raises(BuildError, match="choose one of"):
+        build_rank(model, cfg, caps, tmp_path, backend="tensorrt-rtx", block_size=BLOCK, max_seq_len=MAX_SEQ,
+                   options=BuildOptions(target="sm120", lowering="dense"))
+    with pytest.raises(BuildError, match="needs BuildOptions.plugin_library"):
+        build_engine(Backend("tensorrt-rtx", None), tmp_path / "g.onnx", tmp_path / "g.engine",
+                     BuildOptions(target="sm120"))
 
 
 # ------------------------------------------------------------------------------ RTX engines
+def k3trt_nodes(onnx_path) -> dict[str, str]:
+    """node name -> op_type of a graph's k3trt nodes."""
+    import onnx  # noqa: PLC0415 (optional: onnx)
+    return {n.name: n.op_type for n in onnx.load(str(onnx_path), load_external_data=False).graph.node
+            if n.domain == "k3trt"}
+
+
+def assert_plugin_layers(backend, rank, names, library=None) -> None:
+    """Every k3trt node of each graph is a PLUGIN_V3 layer of the network the parser makes of it."""
+    for name in names:
+        nodes = k3trt_nodes(rank / f"{name}.onnx")
+        assert {"MlaVerify", "MlaCacheWrite", "MoeExperts", "ShortConv"} <= set(nodes.values()), nodes
+        layers = dict(parsed_layers(backend, rank / f"{name}.onnx", library))
+        assert {n: layers.get(n) for n in nodes} == dict.fromkeys(nodes, "PLUGIN_V3"), name
+
+
 @pytest.fixture(scope="module")
 def rtx_rank(tiny_model, tmp_path_factory):
     pytest.importorskip("tensorrt_rtx_bindings")
@@ -221,7 +254,7 @@ def rtx_rank(tiny_model, tmp_path_factory):
     return cfg, caps, rank, reports
 
 
-def test_native_engines_build_for_sm120(rtx_rank):
+def test_plugin_engines_build_for_sm120(rtx_rank):
     cfg, caps, rank, reports = rtx_rank
     assert [r.name for r in reports] == ["verify_b2", "prefill_t1"]
     for r in reports:
@@ -229,6 +262,20 @@ def test_native_engines_build_for_sm120(rtx_rank):
         assert len(r.weight_inputs) > 10          # the weights are bound at run time, not embedded
     weights = (rank / "weights.bin").stat().st_size
     assert all(r.bytes < weights for r in reports)
+    assert sorted(p.name for p in rank.glob("*.bin")) == ["weights.bin"]      # one copy for every engine
+    assert_plugin_layers(load_backend("tensorrt-rtx"), rank, [r.name for r in reports])
+
+
+def test_native_fallback_builds_for_sm120(tiny_model, tmp_path):
+    pytest.importorskip("tensorrt_rtx_bindings")
+    cfg, model = tiny_model
+    caps = Capacities(verify=(2,), prefill=(1,), spec_tokens=3)
+    reports = build_rank(model, cfg, caps, tmp_path, backend="tensorrt-rtx", block_size=BLOCK, max_seq_len=MAX_SEQ,
+                         check=True, options=BuildOptions(target="sm120", lowering="native"))
+    assert [r.name for r in reports] == ["verify_b2", "prefill_t1"]
+    assert all(r.bytes > 1 << 20 and len(r.weight_inputs) > 10 for r in reports)
+    assert not any(k3trt_nodes(tmp_path / f"{r.name}.onnx") for r in reports)
+    assert blocking_nodes(load_backend("tensorrt-rtx"), tmp_path / "verify_b2.onnx") == []
 
 
 def test_layouts_read_back_from_the_rank_dir(rtx_rank):
@@ -248,19 +295,6 @@ def test_layouts_read_back_from_the_rank_dir(rtx_rank):
     with pytest.raises(FileNotFoundError, match="verify_b4"):
         engine_layouts(rank, cfg, verify=(2, 4), prefill=(1,), spec_tokens=3, block_size=BLOCK, max_seq_len=MAX_SEQ,
                        dtype=torch.float32, kv_dtype=torch.float32, num_blocks=20, num_slots=5)
-
-
-def test_every_k3trt_node_blocks_an_rtx_plugin_graph(tiny_model, tmp_path):
-    pytest.importorskip("tensorrt_rtx_bindings")
-    cfg, model = tiny_model
-    spec = graph_specs(cfg, Capacities((1,), (1,), 3), block_size=BLOCK, max_seq_len=MAX_SEQ, dtype=torch.float32,
-                       kv_dtype=torch.float32)[0]
-    path = export_graph(model, cfg, spec, tmp_path / "verify_b1.onnx")
-    blocked = blocking_nodes(load_backend("tensorrt-rtx"), path)
-    ops = sorted({b.split("(")[1].split(")")[0] for b in blocked})
-    assert ops == ["KdaRecurrent", "MlaCacheWrite", "MlaVerify", "MoeExperts", "ShortConv"], blocked
-    assert len(blocked) == 2 * len(cfg.mla_layers) + 2 * len(cfg.kda_layers) + \
-        sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
 
 
 # ------------------------------------------------------------------------------ the session's step mapping
@@ -369,7 +403,7 @@ def test_more_native_engines_build_and_check(tiny_model, tmp_path):
     cfg, model = tiny_model
     caps = Capacities(verify=(1, 2, 4), prefill=(1, 2, 4, 8, 16, 32), spec_tokens=3)
     reports = build_rank(model, cfg, caps, tmp_path, backend="tensorrt-rtx", block_size=BLOCK, max_seq_len=MAX_SEQ,
-                         check=True, options=BuildOptions(target="sm120"))
+                         check=True, options=BuildOptions(target="sm120", lowering="native"))
     assert len(reports) == 9 and all(r.bytes > 0 for r in reports)
 
 
