@@ -23,8 +23,8 @@ Every op has the same parts in the same places:
     moe_gemm     moe_gemm                               moe_gemm_ref     moe_gemm_triton        MoeExperts (*)
     moe_route    moe_route, moe_combine                 moe_route_ref    moe_route_triton       -
     merge        merge_attn_states                      merge_ref        mla_triton             MergeAttnStates
-    mla_verify   mla_verify                             mla_verify_ref,  mla_triton, mla_cuda/  MlaVerify,
-                                                        dcp, plans                              mla_verify_trt
+    mla_verify   mla_verify                             mla_verify_ref,  mla_triton, mla_cuda/  MlaVerify
+                                                        dcp, plans
 
 (*) the node of an export-only functional op of graph_ops.py (mla_cache_update, moe_experts).
 Shared: dispatch.py (the kernel-or-reference choice and its logging), onnx_spec.py (``OnnxOp``),

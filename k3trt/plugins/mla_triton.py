@@ -53,25 +53,6 @@ def _mla_verify_kernel(
 
 
 @triton.jit
-def mla_verify_trt_kernel(
-    Q, KV, BT, SL,
-    stride_bt, rows_per_req, num_heads, q_per_req, dcp_size, dcp_rank, dcp_interleave,
-    sp_chunk, sp_sink, sp_stride, sp_recent,
-    O, LSE,
-    QK_SCALE: tl.constexpr, V_SCALE: tl.constexpr, PAGE: tl.constexpr, DV: tl.constexpr,
-    DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr,
-    TILES_PER_PAGE: tl.constexpr, SPARSE: tl.constexpr, KV_FP8: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
-):
-    """The TensorRT AOT entry (mla_verify_trt.py): TensorRT's launch order (inputs, int32
-    scalars, outputs), float scales baked in as constants, no split-K (one kernel, no scratch)."""
-    _mla_verify_tile(Q, KV, BT, SL, O, LSE, O, LSE, QK_SCALE, V_SCALE, stride_bt, rows_per_req,
-                     num_heads, q_per_req, 1, 1, dcp_size, dcp_rank, dcp_interleave, sp_chunk,
-                     sp_sink, sp_stride, sp_recent, PAGE, DV, DR, BLOCK_M, BLOCK_N, CHUNK_PAGES,
-                     TILES_PER_PAGE, False, SPARSE, KV_FP8, DV_SPLIT)
-
-
-@triton.jit
 def _mla_verify_tile(
     Q, KV, BT, SL, O, LSE, OP, LSEP,
     qk_scale, v_scale, stride_bt, rows_per_req, num_heads, q_per_req, num_splits, min_split_tokens,

@@ -39,7 +39,7 @@ shapes (q bf16, D 576, d_v 512, page 64, no DCP or sparse policy) take the SM90 
 mla_cuda/ wherever it builds (``_sm90_kernel_takes``; K3TRT_MLA_KERNEL=triton overrides).
 
 Export: the ONNX node ``MlaVerify`` (``ONNX`` below, with a standard-ONNX lowering for dense
-attention without DCP) and its TensorRT plugin (mla_verify_trt.py).
+attention without DCP). Its TensorRT plugin is MlaVerify in the C++ library (k3trt/trt_plugin/).
 """
 
 from __future__ import annotations

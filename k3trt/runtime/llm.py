@@ -309,7 +309,8 @@ def _trt_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities,
         raise ValueError(f"{ed.path} holds {ed.backend} engines, which run on the GPU: use device cuda")
     return TrtSession(ed.rank_dir, cfg, plan, backend=ed.backend, verify=run_caps.verify, prefill=run_caps.prefill,
                       spec_tokens=built.spec_tokens, max_seq_len=build.max_seq_len, dtype=build.torch_dtype,
-                      kv_dtype=build.kv_torch_dtype, device=str(device), target=ed.target)
+                      kv_dtype=build.kv_torch_dtype, device=str(device), target=ed.target,
+                      plugin_library=ed.plugin_library_path())
 
 
 # engine dir backend -> its session (keyword arguments: LLM._setup's open_session call)

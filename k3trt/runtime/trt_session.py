@@ -37,6 +37,7 @@ from k3trt.engine.backends import load_backend, runnable_here
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.graph_io import DYNAMIC_DIMS, GraphSpec, graph_specs, io_specs
 from k3trt.runtime.engine_io import Binding, CapacitySession
+from k3trt.trt_plugin.loader import load_into
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ class TrtSession(CapacitySession):
     def __init__(self, rank_dir: str | Path, cfg: ModelConfig, plan, *, backend: str, verify: tuple[int, ...],
                  prefill: tuple[int, ...], spec_tokens: int, max_seq_len: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: str = "cuda:0", alias_caches: bool = False, cuda_graphs: bool = True,
-                 target: str | None = None):
+                 target: str | None = None, plugin_library: Path | None = None):
         check_runnable(rank_dir, backend, target)
         self.cfg, self.plan, self.device = cfg, plan, torch.device(device)
         self.scratch_slot = plan.num_slots
@@ -312,6 +313,8 @@ class TrtSession(CapacitySession):
         self.cuda = Cuda(self.device.index or 0)
         try:
             self.trt = load_backend(backend).trt
+            if plugin_library is not None:         # the engines' plugin layers deserialize through it
+                load_into(self.trt, plugin_library, rtx=backend == "tensorrt-rtx")
             self.weights = self.cuda.load_weights(Path(rank_dir),
                                                   [w for lay in self.layouts.values() for w in lay.weights])
             self.caches = {}                    # name -> [buffer parity 0, buffer parity 1 (or the same)]
