@@ -1,8 +1,9 @@
 """``build_engine``: a checkpoint in, an engine directory out.
 
-torch            the "engine" is the checkpoint itself (config + safetensors shards, hard-linked when
-                 the filesystem allows, else copied) under rank0/, loaded at run time by the one
-                 strict loader (k3trt.model.loader), plus the build options and capacity plan.
+torch            the "engine" is a copy of the checkpoint (config + safetensors shards; a reflink where
+                 the filesystem allows, never a hard link: engine/writer.copy_owned) under rank0/,
+                 loaded at run time by the one strict loader (k3trt.model.loader), plus the build
+                 options and capacity plan.
 onnx             rank0/ holds one ONNX graph per capacity (k3trt ops as custom nodes) and the shared
                  weights, the graphs the TensorRT backends build from; run by onnxruntime on the CPU.
 tensorrt(-rtx)   rank0/ holds one ONNX graph and one engine per capacity and the shared weights
@@ -15,7 +16,8 @@ again), the k3trt version and a digest of the code that shapes the graphs (CODE_
 the torch/onnx/onnxscript versions, the graph (capacity, rows, block size, table width,
 dtypes, kv scale: the build options that matter to it), the backend, its version and target.
 Capacities whose key is unchanged and whose files are intact are hard-linked from the previous
-dir, the others built; ``force`` rebuilds everything. ``workers`` > 1 builds capacities in
+engine dir (files the engine made itself, whose old dir is removed once the new one is in place,
+so the new dir ends up their only owner), the others built; ``force`` rebuilds everything. ``workers`` > 1 builds capacities in
 spawned worker processes (rank.build_rank). The new dir replaces the old one only once
 complete (engine/writer.py).
 """
@@ -26,8 +28,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -43,7 +43,7 @@ from k3trt.engine.backends import BACKENDS
 from k3trt.engine.build_config import DTYPES, BuildConfig
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.engine_dir import EngineDir, EngineDirError, is_engine_dir, read_engine_dir, sha256_file
-from k3trt.engine.writer import check_output, write_engine_dir
+from k3trt.engine.writer import check_output, copy_owned, write_engine_dir
 from k3trt.model.checkpoint_check import validate_weights
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
 from k3trt.model.footprint import Footprint, footprint, local_device_memory
@@ -117,10 +117,10 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                           build=build, caps=caps, check_onnx=check_onnx, force=force, workers=workers,
                           lowering=rtx_lowering)
     if workers > 1:
-        log.info("--workers applies to engine backends; the torch backend links the checkpoint")
+        log.info("--workers applies to engine backends; the torch backend copies the checkpoint")
     with CheckpointReader(checkpoint) as reader:     # headers and index only: cheap, catches broken shards
         weights = set(reader.shards)
-    _check_link_disk(checkpoint, output)
+    _check_copy_disk(checkpoint, output)
     log.info("building torch engine from %s: %d weight files, verify capacities %s, prefill capacities %s",
              checkpoint, len(weights), list(caps.verify), list(caps.prefill))
 
@@ -131,7 +131,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
             is_weight = f.name in WEIGHT_FILES or SHARD_RE.fullmatch(f.name)
             if is_weight and f.name.endswith(".safetensors") and f.name not in weights:
                 continue             # a stray shard the index does not name
-            _link_or_copy(f, tmp / ("rank0" if is_weight else "tokenizer") / f.name)
+            copy_owned(f, tmp / ("rank0" if is_weight else "tokenizer") / f.name)
 
     return write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
                             capacities=caps, populate=populate)
@@ -150,20 +150,11 @@ def report_footprint(fp: Footprint, device_memory_gb: float | None, echo: Callab
     fp.check_fits(device_bytes)
 
 
-def _check_link_disk(checkpoint: Path, output: Path) -> None:
-    """The torch backend hard-links the checkpoint; across filesystems it copies, and needs room."""
-    probe = next((p for p in [output, *output.parents] if p.exists()), Path("."))
-    if probe.stat().st_dev != checkpoint.stat().st_dev:
-        size = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
-        checks.check_disk(output, int(size * 1.05))
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        log.info("copying %s (%.1f MiB)", src.name, src.stat().st_size / 2**20)
-        shutil.copy2(src, dst)
+def _check_copy_disk(checkpoint: Path, output: Path) -> None:
+    """The torch backend copies the checkpoint: room for it (a reflink may need less; a plain copy
+    needs all of it)."""
+    size = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+    checks.check_disk(output, int(size * 1.05))
 
 
 def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | None, model_raw: dict,
@@ -209,7 +200,7 @@ def _build_trt(checkpoint: Path, output: Path, *, backend: str, target: str | No
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
-                _link_or_copy(checkpoint / name, tmp / "tokenizer" / name)
+                copy_owned(checkpoint / name, tmp / "tokenizer" / name)
         return {f"rank0/{k}": v for k, v in known.items()}
 
     path = write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
@@ -242,7 +233,7 @@ def _build_onnx(checkpoint: Path, output: Path, *, cfg, target: str | None, mode
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
-                _link_or_copy(checkpoint / name, tmp / "tokenizer" / name)
+                copy_owned(checkpoint / name, tmp / "tokenizer" / name)
 
     path = write_engine_dir(output, backend="onnx", target=None, model_raw=model_raw, build=build, capacities=caps,
                             populate=populate)

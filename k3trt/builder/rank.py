@@ -24,7 +24,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -42,6 +41,7 @@ from k3trt.builder.tensorrt import LOWERINGS, BuildOptions, EngineReport, build_
 from k3trt.engine.backends import MODULES, Backend, load_backend, local_gpu_target
 from k3trt.engine.engine_dir import sha256_file
 from k3trt.engine.graph_io import GraphSpec, graph_specs
+from k3trt.engine.writer import copy_owned
 from k3trt.model.loader import load_model
 from k3trt.trt_plugin.loader import library_for, target_archs
 
@@ -251,10 +251,13 @@ def _adopt(previous: Previous, rank_dir: Path, specs, keys: dict[str, str],
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    """A reused capacity's file from the previous engine dir: both dirs are engine-owned and the
+    previous one is removed once the new one is in place (engine/writer.py), so a hard link leaves
+    the new dir the file's only owner. Files from outside an engine dir are copied (copy_owned)."""
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copy2(src, dst)
+        copy_owned(src, dst)
 
 
 # ------------------------------------------------------------------------------ worker processes

@@ -1,16 +1,21 @@
 """The engine directory: everything the runtime needs, described by one versioned config.json.
 
-    ENGINE_DIR/config.json   {"format_version": 1, "k3trt_version", "backend", "target",
+    ENGINE_DIR/config.json   {"format_version": 2, "k3trt_version", "backend", "target",
                               "model": the checkpoint's config.json (as read),
                               "build": BuildConfig (+ "plugin_library"), "capacities": Capacities,
-                              "files": {relative path: sha256 hex}, "inputs" (optional)}
-    ENGINE_DIR/rank0/        backend files (torch: the checkpoint's config + safetensors shards)
+                              "files": {relative path: sha256 hex}, "inputs" (optional),
+                              "config_sha256": digest of all the above (config_digest)}
+    ENGINE_DIR/rank0/        backend files (torch: copies of the checkpoint's config + shards)
     ENGINE_DIR/tokenizer/    tokenizer files + chat template (optional)
 
 This module reads and verifies a directory (``read_engine_dir``) and owns the config.json
 document (``engine_config``); writing one atomically under the build lock is engine/writer.py.
-Reading checks the format version, the backend and every listed file's checksum, and refuses
-with a message that says what to do.
+Reading checks, in order: the format version; config.json's own digest (an edited model, build,
+capacities or files block is refused); the backend; that ``rank0/config.json`` (what the torch
+loader reads) equals the model block; that every file in the directory is listed (an unlisted
+or symlinked file is refused, by name); every listed file's checksum. Each refusal says what to
+do. The engine dir owns its files (builder/build.py copies the checkpoint's), so rebuilding
+from the checkpoint is always a correct remedy for a damaged engine dir.
 
 ``build.plugin_library`` (engines with k3trt plugin layers) names the plugin library the engines
 were built with: {"file", "sha256", "archs"}. Reading such a dir finds that library
@@ -28,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +47,13 @@ from k3trt.trt_plugin.loader import PluginLibraryError, find_library
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CONFIG_NAME = "config.json"
+DIGEST_KEY = "config_sha256"
 REBUILD = "rebuild it with `k3trt build CHECKPOINT --output DIR`"
+# a damaged file or config.json: the build made its own copies, so the checkpoint is still good
+REBUILD_DAMAGED = (f"{REBUILD} (the checkpoint is untouched: an engine dir holds its own copies of the "
+                   "checkpoint's files)")
 
 
 class EngineDirError(ValueError):
@@ -96,6 +106,13 @@ def is_engine_dir(path: Path) -> bool:
     return (path / CONFIG_NAME).is_file()
 
 
+def config_digest(doc: dict[str, Any]) -> str:
+    """sha256 of a config.json document's canonical JSON (sorted keys, no whitespace), without
+    its own DIGEST_KEY: what the build records and every read checks."""
+    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def engine_config(*, backend: str, target: str | None, model_raw: dict[str, Any], build: BuildConfig,
                   capacities: Capacities, files: dict[str, str], inputs: dict[str, Any] | None = None,
                   plugin_library: dict[str, Any] | None = None) -> dict:
@@ -108,6 +125,7 @@ def engine_config(*, backend: str, target: str | None, model_raw: dict[str, Any]
               "capacities": capacities.to_dict(), "files": files}
     if inputs:
         config["inputs"] = inputs
+    config[DIGEST_KEY] = config_digest(config)
     return config
 
 
@@ -119,13 +137,16 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
         raise EngineDirError(f"{path} is not an engine directory (no {CONFIG_NAME}); {REBUILD}")
     try:
         raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise EngineDirError(f"{cfg_path} is not valid JSON ({e}); {REBUILD}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EngineDirError(f"{cfg_path} is not valid JSON ({e}); {REBUILD_DAMAGED}") from None
+    if not isinstance(raw, dict):
+        raise EngineDirError(f"{cfg_path} is not a JSON object; {REBUILD_DAMAGED}")
     version = raw.get("format_version")
     if version != FORMAT_VERSION:
         raise EngineDirError(
             f"{path} has engine format version {version!r} (written by k3trt {raw.get('k3trt_version', '?')}); "
             f"this k3trt {k3trt.__version__} reads version {FORMAT_VERSION}: {REBUILD}")
+    _check_digest(cfg_path, raw)
     got = raw.get("backend")
     if got not in BACKENDS:
         raise EngineDirError(f"{path}: unknown backend {got!r}; {REBUILD}")
@@ -145,19 +166,80 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
                        inputs=dict(raw.get("inputs") or {}))
     except (KeyError, TypeError, ValueError) as e:
         raise EngineDirError(f"{cfg_path} is malformed ({type(e).__name__}: {e}); {REBUILD}") from None
+    _check_settings(ed)
+    _check_listing(ed)
     for rel, digest in ed.files.items():
         f = path / rel
         if not f.is_file():
             raise EngineDirError(f"{path}: file {rel} listed in {CONFIG_NAME} is missing (incomplete copy?); "
-                                 f"copy the whole directory again or {REBUILD}")
+                                 f"copy the whole directory again from an intact engine dir, or {REBUILD_DAMAGED}")
         if verify_checksums:
             log.info("verifying %s (%.1f MiB)", rel, f.stat().st_size / 2**20)
             if sha256_file(f) != digest:
                 raise EngineDirError(f"{path}: checksum of {rel} does not match {CONFIG_NAME} (the file was "
-                                     f"modified or corrupted); copy it again or {REBUILD}")
+                                     f"modified or corrupted); copy the whole directory again from an intact "
+                                     f"engine dir, or {REBUILD_DAMAGED}")
+    _check_rank_config(ed)
     if verify_checksums:            # the plugin library is part of the engines: refuse it missing or changed
         ed.plugin_library_path()
     return ed
+
+
+def _check_digest(cfg_path: Path, raw: dict[str, Any]) -> None:
+    """config.json is covered by its own digest: an edit anywhere in it is refused."""
+    recorded = raw.get(DIGEST_KEY)
+    if not isinstance(recorded, str):
+        raise EngineDirError(f"{cfg_path} is malformed (no {DIGEST_KEY!r} field: it was not written by "
+                             f"`k3trt build`); {REBUILD}")
+    if recorded != config_digest(raw):
+        raise EngineDirError(f"{cfg_path} was edited after the build (its content does not match its "
+                             f"{DIGEST_KEY}): the model, build, capacities and files blocks describe the files "
+                             f"as built and cannot be changed in place; restore {CONFIG_NAME} from an intact "
+                             f"copy of the engine dir, or {REBUILD_DAMAGED}; to change a build option, "
+                             f"build again with it")
+
+
+def _check_settings(ed: EngineDir) -> None:
+    """Build settings the model cannot honour (the digest makes these a builder bug, not an edit)."""
+    if ed.build.max_seq_len > ed.model.max_position_embeddings:
+        raise EngineDirError(f"{ed.path}: build.max_seq_len {ed.build.max_seq_len} exceeds the model's "
+                             f"max_position_embeddings {ed.model.max_position_embeddings}; {REBUILD}")
+
+
+def _check_listing(ed: EngineDir) -> None:
+    """Every file in the directory is config.json or listed in its files block; nothing is a
+    symbolic link (an engine dir owns its files)."""
+    linked, unlisted = [], []
+    for root, dirs, names in os.walk(ed.path):
+        for name in [*dirs, *names]:
+            p = Path(root) / name
+            rel = p.relative_to(ed.path).as_posix()
+            if p.is_symlink():
+                linked.append(rel)
+            elif name in names and rel != CONFIG_NAME and rel not in ed.files:
+                unlisted.append(rel)
+    if linked:
+        raise EngineDirError(f"{ed.path}: {', '.join(sorted(linked))} is a symbolic link; an engine dir holds its "
+                             f"own files: copy the directory with its files (`cp -rL`), or {REBUILD}")
+    if unlisted:
+        raise EngineDirError(f"{ed.path}: {', '.join(sorted(unlisted))} not listed in {CONFIG_NAME} (added after "
+                             f"the build); an engine dir holds only the files its build listed: remove "
+                             f"{'them' if len(unlisted) > 1 else 'it'}, or {REBUILD_DAMAGED}")
+
+
+def _check_rank_config(ed: EngineDir) -> None:
+    """The torch loader reads rank0/config.json; the runtime's model settings are the model block:
+    the two must be one document."""
+    rank_cfg = ed.rank_dir / CONFIG_NAME
+    if f"rank0/{CONFIG_NAME}" not in ed.files:
+        return
+    try:
+        same = json.loads(rank_cfg.read_text()) == ed.model_raw
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        same = False
+    if not same:
+        raise EngineDirError(f"{ed.path}: rank0/{CONFIG_NAME} differs from the model block of {CONFIG_NAME}; "
+                             f"{REBUILD_DAMAGED}")
 
 
 def _trt_refusal(path: Path, backend: str, target: str | None) -> str:

@@ -8,6 +8,11 @@ dir renames the old one aside (``.NAME.old-*``) only once the new one is complet
 refused, and leftovers of a killed build (``.NAME.tmp-*``, ``.NAME.old-*``) are removed, with a
 warning, by the next build into that target. The config.json document and reading it back:
 engine/engine_dir.py.
+
+An engine dir owns its files: ``copy_owned`` puts a file from outside (the checkpoint's shards,
+its tokenizer) into one as an independent copy (a reflink where the filesystem shares blocks
+copy-on-write, else a kernel copy), never a hard link, so damage to the engine dir is never
+damage to the checkpoint, nor the other way round.
 """
 
 from __future__ import annotations
@@ -94,6 +99,48 @@ def remove_stale(output: Path) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+_FICLONE = 0x40049409          # linux/fs.h: share the source's blocks copy-on-write (btrfs, XFS, ...)
+
+
+def copy_owned(src: Path, dst: Path) -> None:
+    """Copy `src` to `dst` (new) as a file of its own, with src's mode and times: a reflink where
+    the filesystem supports it, else os.copy_file_range, else a plain copy. Never a hard link."""
+    src, dst = Path(src), Path(dst)
+    log.info("copying %s (%.1f MiB)", src.name, src.stat().st_size / 2**20)
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        if not _reflink(fin, fout):
+            _kernel_copy(fin, fout)
+    shutil.copystat(src, dst)
+
+
+def _reflink(fin, fout) -> bool:
+    try:
+        import fcntl  # noqa: PLC0415 (optional: POSIX only)
+        fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def _kernel_copy(fin, fout) -> None:
+    size = os.fstat(fin.fileno()).st_size
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
+            if n == 0:
+                break
+            done += n
+        if done == size:
+            return
+    except (AttributeError, OSError):         # not Linux, or a filesystem pair it does not support
+        pass
+    fin.seek(0)
+    fout.seek(0)
+    fout.truncate()
+    shutil.copyfileobj(fin, fout, 1 << 20)
 
 
 def write_engine_dir(output: str | Path, *, backend: str, target: str | None, model_raw: dict[str, Any],

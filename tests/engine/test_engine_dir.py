@@ -11,7 +11,7 @@ import torch
 
 from k3trt.builder.build import build_engine
 from k3trt.engine.build_config import BuildConfig
-from k3trt.engine.engine_dir import FORMAT_VERSION, EngineDirError, read_engine_dir
+from k3trt.engine.engine_dir import DIGEST_KEY, FORMAT_VERSION, EngineDirError, config_digest, read_engine_dir
 from k3trt.config import ModelConfig
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
@@ -50,8 +50,10 @@ def test_round_trip(engine, tiny_ckpt):
 
 
 def _edit(d, **changes):
+    """Change config.json and record its new digest: a refusal other than the digest's is tested."""
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
+    cfg[DIGEST_KEY] = config_digest(cfg)
     (d / "config.json").write_text(json.dumps(cfg))
 
 
