@@ -56,12 +56,12 @@ def _files(d: Path) -> dict[str, bytes]:
 _SLOW_BUILD = textwrap.dedent('''
     import runpy, sys, time
     import k3trt.builder.build as b
-    link = b._link_or_copy
+    copy = b.copy_owned
     def slow(src, dst):                      # the injected slow step: the build is killed in here
-        link(src, dst)
-        print("LINKED", dst, flush=True)
+        copy(src, dst)
+        print("COPIED", dst, flush=True)
         time.sleep(60)
-    b._link_or_copy = slow
+    b.copy_owned = slow
     sys.argv = ["k3trt", *sys.argv[1:]]
     runpy.run_module("k3trt", run_name="__main__", alter_sys=True)      # = python -m k3trt ...
 ''')
@@ -92,7 +92,7 @@ def test_killed_build_leaves_nothing_that_loads(tiny_ckpt, tmp_path):
     out = tmp_path / "engine"
     args = [str(tiny_ckpt), "-o", str(out), "--backend", "torch", "--dtype", "fp32", "--capacities", "1,2",
             "--max-num-tokens", "16"]
-    _start_and_kill(["-c", _SLOW_BUILD, "build", *args], "LINKED")
+    _start_and_kill(["-c", _SLOW_BUILD, "build", *args], "COPIED")
     assert not out.exists()
     stale = [s for s in _leftovers(out) if s != ".engine.lock"]      # the lock file stays, unlocked
     assert len(stale) == 1 and stale[0].startswith(".engine.tmp-"), stale
@@ -106,7 +106,7 @@ def test_killed_build_leaves_nothing_that_loads(tiny_ckpt, tmp_path):
     assert read_engine_dir(out).backend == "torch" and _leftovers(out) == []
     before = _files(out)
     # killed while rebuilding into it: the previous complete engine dir is still what loads
-    _start_and_kill(["-c", _SLOW_BUILD, "build", *args], "LINKED")
+    _start_and_kill(["-c", _SLOW_BUILD, "build", *args], "COPIED")
     assert _files(out) == before and read_engine_dir(out).capacities.verify == (1, 2)
     assert [s[:11] for s in _leftovers(out)] == [".engine.loc", ".engine.tmp"]
     build_engine(tiny_ckpt, out, dtype="fp32", capacities=[1, 2], max_num_tokens=16)
