@@ -142,7 +142,7 @@ def _check_one(reader, exp: Expected, name: str, used: set[str], report: Report)
         try:
             _, shape, suffixes = inspect_linear_weight(reader, module)
         except CheckpointError as e:
-            report.wrong.append((name, f"{reader.path}: {e}"))
+            report.wrong.append((name, f"{_shard(reader, name)}: {e}"))
             used.update(f"{module}.{s}" for s in WEIGHT_SUFFIXES)
             return
         used.update(f"{module}.{s}" for s in suffixes)
