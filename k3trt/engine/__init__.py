@@ -1,8 +1,9 @@
 """The engine format: the contract between the builder (which writes it) and the runtime (which reads it).
 
-    engine_dir.py    EngineDir, read_engine_dir (format version, backend, sha256 checksums), the
-                     config.json document; EngineDirError
-    writer.py        write_engine_dir: temp dir + atomic replace under the build lock; EngineDirBusy
+    engine_dir.py    EngineDir, read_engine_dir (format version, config digest, backend, listing,
+                     sha256 checksums), the config.json document (config_digest); EngineDirError
+    writer.py        write_engine_dir: temp dir + atomic replace under the build lock; EngineDirBusy;
+                     copy_owned (files from outside become the engine dir's own: never a hard link)
     build_config.py  BuildConfig: the recorded build options (dtypes, KV cache, block size, bounds)
     capacities.py    Capacities and the capacity rules: pick, split_prefill, power_of_two_capacities,
                      validate (the one check of a capacity list), parse_capacity_list; CapacityError
