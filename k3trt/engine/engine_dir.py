@@ -166,7 +166,6 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
                        inputs=dict(raw.get("inputs") or {}))
     except (KeyError, TypeError, ValueError) as e:
         raise EngineDirError(f"{cfg_path} is malformed ({type(e).__name__}: {e}); {REBUILD}") from None
-    _check_settings(ed)
     _check_listing(ed)
     for rel, digest in ed.files.items():
         f = path / rel
@@ -197,13 +196,6 @@ def _check_digest(cfg_path: Path, raw: dict[str, Any]) -> None:
                              f"as built and cannot be changed in place; restore {CONFIG_NAME} from an intact "
                              f"copy of the engine dir, or {REBUILD_DAMAGED}; to change a build option, "
                              f"build again with it")
-
-
-def _check_settings(ed: EngineDir) -> None:
-    """Build settings the model cannot honour (the digest makes these a builder bug, not an edit)."""
-    if ed.build.max_seq_len > ed.model.max_position_embeddings:
-        raise EngineDirError(f"{ed.path}: build.max_seq_len {ed.build.max_seq_len} exceeds the model's "
-                             f"max_position_embeddings {ed.model.max_position_embeddings}; {REBUILD}")
 
 
 def _check_listing(ed: EngineDir) -> None:
