@@ -12,8 +12,13 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 
 from k3trt.runtime.params import SamplingParams  # noqa: E402
-from k3trt.runtime.structured import GrammarError, GrammarVocab, GuidedSpec, compile_guide  # noqa: E402
-from k3trt.runtime.structured.spec import DEFAULT_MAX_WHITESPACE  # noqa: E402
+from k3trt.runtime.structured import (  # noqa: E402
+    DEFAULT_MAX_WHITESPACE,
+    GrammarError,
+    GrammarVocab,
+    GuidedSpec,
+    compile_guide,
+)
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer  # noqa: E402
 
 _MARKER = re.compile(r"(<\|open\|>|<\|close\|>|<\|sep\|>)")

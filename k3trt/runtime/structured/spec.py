@@ -16,6 +16,8 @@ Around it:
   allows any whitespace, and a sampled model left free to pad its output runs to `max_tokens`
   without closing it. None (what a front end passes when nothing is configured) is the default, so
   every front end gets the cap; a caller who wants pretty-printed JSON sets a larger n.
+- `parallel_tool_calls`, `max_tool_calls` (tool calling): how many calls one turn may hold (see
+  `tool_call_limit`); the count is always bounded, so a forced call always ends.
 """
 
 from __future__ import annotations
