@@ -5,7 +5,8 @@
 untyped input (CLI, HTTP): unknown keys are an error, not silently dropped.
 
 ``guided`` (structured output) is a ``structured.GuidedSpec``, the one runtime type of a guided
-request: a dict of its fields (e.g. ``{"json_schema": {...}}``, ``{"regex": "[a-z]+"}``) or a
+request: a dict of its fields (e.g. ``{"json_schema": {...}}``, ``{"regex": "[a-z]+"}``,
+``{"json_object": True, "max_whitespace": 2}`` to loosen the default JSON whitespace cap) or a
 ``structured.CompiledGuide`` (read as its spec) is turned into one here, once, so a bad schema
 fails at submission as ``RequestError("guided.json_schema", ...)``. The engine compiles every spec
 through its one grammar cache (``LLM.compile_guided``). ``speculative=False`` opts one request

@@ -234,7 +234,7 @@ def test_mask_rows_follow_the_drafts(vocab, cache, tok):
     """Row i of a fill is the mask after the committed tokens + drafts[:i]; the first invalid draft
     cuts the rest (a rejected suffix), and the matcher is never left advanced."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    guide = cache.get(GuidedSpec(json_schema=schema), vocab)
+    guide = cache.get(GuidedSpec(json_schema=schema, max_whitespace=1), vocab)   # '{"a":12}' allowed
     state = guide.new_state()
     prefix = tok.encode('{"a":')
     assert state.commit(prefix) == len(prefix)
@@ -263,7 +263,8 @@ def test_mask_rows_follow_the_drafts(vocab, cache, tok):
 
 
 def test_terminal_state_with_trailing_drafts(vocab, cache, tok):
-    guide = cache.get(GuidedSpec(json_schema={"type": "array", "items": {"type": "integer"}}), vocab)
+    guide = cache.get(GuidedSpec(json_schema={"type": "array", "items": {"type": "integer"}},
+                                 max_whitespace=1), vocab)                      # '[1,2]' allowed
     state = guide.new_state()
     body = tok.encode("[1,2]")
     assert state.commit(body) == len(body) and not state.is_terminated

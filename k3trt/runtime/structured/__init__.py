@@ -37,9 +37,9 @@ buffer while a step is in flight.
 """
 
 from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache, compile_guide
-from k3trt.runtime.structured.spec import GrammarError, GuidedSpec
+from k3trt.runtime.structured.spec import DEFAULT_MAX_WHITESPACE, GrammarError, GuidedSpec
 from k3trt.runtime.structured.state import GuidedState, fill_masks_batch
 from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, pack, unpack
 
-__all__ = ["CompiledGuide", "GrammarCache", "GrammarError", "GrammarVocab", "GuidedSpec",
+__all__ = ["DEFAULT_MAX_WHITESPACE", "CompiledGuide", "GrammarCache", "GrammarError", "GrammarVocab", "GuidedSpec",
            "GuidedState", "apply_masks", "compile_guide", "fill_masks_batch", "pack", "unpack"]

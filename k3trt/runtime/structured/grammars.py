@@ -3,7 +3,9 @@ XTML chat frame around them, and the XTML tool-call structural tag.
 
 XTML markers are always asked for as tokens by id (`vocab.py` makes them unreachable as text), and
 the bodies between them are text grammars, so a marker can neither be skipped nor appear inside a
-value. A tool call (spec/XTML.md):
+value; the fixed text between markers (channel names, headers) is asked for as the tokenizer's own
+ids. A forced tool call leaves the response body empty and allows at most
+`GuidedSpec.tool_call_limit` calls, so it always ends. A tool call (spec/XTML.md):
     <|open|>call tool="NAME" index="N"<|sep|>ARGUMENTS<|close|>call<|sep|>
 ARGUMENTS is one `<|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|>` per
 property of the tool's schema, in schema order, required ones always and optional ones maybe,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from k3trt.runtime.structured.spec import GrammarError, GuidedSpec
@@ -64,17 +67,20 @@ class _Xtml:
     def __init__(self, vocab: GrammarVocab) -> None:
         self.v = vocab
 
+    def text(self, fixed: str) -> list[Format]:
+        """Fixed text between markers, as the tokenizer's own ids where it has them."""
+        ids = self.v.canonical_ids(fixed)
+        return [_const(fixed)] if ids is None else [_tok(i) for i in ids]
+
     def open(self, header: str) -> list[Format]:
-        return [_tok(self.v.open_id), _const(header), _tok(self.v.sep_id)]
+        return [_tok(self.v.open_id), *self.text(header), _tok(self.v.sep_id)]
 
     def close(self, name: str) -> list[Format]:
-        return [_tok(self.v.close_id), _const(name), _tok(self.v.sep_id)]
+        return [_tok(self.v.close_id), *self.text(name), _tok(self.v.sep_id)]
 
 
 def _json_ws(spec: GuidedSpec) -> dict[str, Any]:
     """Whitespace options of Grammar.from_json_schema."""
-    if spec.max_whitespace is None:
-        return {}
     if spec.max_whitespace == 0:
         return {"any_whitespace": False}
     return {"max_whitespace_cnt": spec.max_whitespace}
@@ -82,8 +88,7 @@ def _json_ws(spec: GuidedSpec) -> dict[str, Any]:
 
 def _tag_ws(spec: GuidedSpec) -> dict[str, Any]:
     """Whitespace options of a structural tag's json_schema format (it has no fixed layout)."""
-    mw = spec.max_whitespace
-    return {} if mw is None else {"max_whitespace_cnt": max(1, mw)}
+    return {"max_whitespace_cnt": max(1, spec.max_whitespace)}
 
 
 def _body(spec: GuidedSpec) -> Any:
@@ -119,16 +124,17 @@ def build_grammar(spec: GuidedSpec, vocab: GrammarVocab) -> Any:
 # ---- tool calls ---------------------------------------------------------------------------------
 def _tool_tag(spec: GuidedSpec, m: _Xtml) -> str:
     calls = _any_of([_call(tool, m, spec) for tool in spec.tool_list()])
-    if spec.parallel_tool_calls:
-        calls = {"type": "plus", "content": calls}
+    if spec.tool_call_limit > 1:
+        calls = {"type": "repeat", "min": 1, "max": spec.tool_call_limit, "content": calls}
     head = m.open("response") if spec.after_reasoning else []
-    # the response body is free text (it cannot hold a marker), then exactly the tools block
-    return _tag(head + [{"type": "any_text"}] + m.close("response") + m.open("tools") + [calls]
-                + m.close("tools") + m.close("message"))
+    # the response body is empty: free text there is unbounded, and a model that never closes it
+    # never reaches the call the request forces (OpenAI's forced calls carry no content either)
+    return _tag(head + m.close("response") + m.open("tools") + [calls] + m.close("tools")
+                + m.close("message"))
 
 
 def _call(tool: dict[str, Any], m: _Xtml, spec: GuidedSpec) -> Format:
-    header = [_tok(m.v.open_id), _const(f'call tool="{escape_attr(tool["name"])}" index="'),
+    header = [_tok(m.v.open_id), *m.text(f'call tool="{escape_attr(tool["name"])}" index="'),
               {"type": "regex", "pattern": "[1-9][0-9]{0,2}"}, _const('"'), _tok(m.v.sep_id)]
     return _seq(header + _arguments(tool["parameters"], m, spec) + m.close("call"))
 
@@ -209,14 +215,47 @@ def _string_choices(choices: list[str]) -> Format:
 
 def _string_value(sub: dict[str, Any]) -> Format | None:
     """The raw text of a string argument: its pattern, its length bounds, or any text (a marker
-    cannot occur in it). A pattern with length bounds needs both checked: the json element."""
+    cannot occur in it). A pattern with length bounds takes both only where the pattern is one
+    repeated character class (`^[a-z]+$`); any other needs the json element, where xgrammar keeps
+    the pattern and drops the bounds."""
     lo, hi = sub.get("minLength", 0), sub.get("maxLength")
     bounded = bool(lo) or hi is not None
-    if "format" in sub or ("pattern" in sub and bounded):
+    if "format" in sub:
         return None
+    if "pattern" in sub and bounded:
+        pattern = _bounded_pattern(sub["pattern"], int(lo), None if hi is None else int(hi))
+        if pattern is None:
+            log.warning("string pattern %r with length bounds: only the pattern is enforced",
+                        sub["pattern"])
+            return None
+        return {"type": "regex", "pattern": pattern}
     if "pattern" in sub:
         return {"type": "regex", "pattern": sub["pattern"]}
     if bounded:
-        upper = "" if hi is None else int(hi)
-        return {"type": "regex", "pattern": f"[\\s\\S]{{{int(lo)},{upper}}}"}
+        return {"type": "regex", "pattern": f"[\\s\\S]{{{int(lo)},{'' if hi is None else int(hi)}}}"}
     return {"type": "any_text"}
+
+
+# one character class (or escape, `.`, or a plain character), repeated, optionally anchored
+_REPEATED_CLASS = re.compile(r"\^?(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[\w \-])"
+                             r"(\*|\+|\?|\{(\d+)(,(\d*))?\})?\$?")
+_QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1), None: (1, 1)}
+
+
+def _bounded_pattern(pattern: str, lo: int, hi: int | None) -> str | None:
+    """`pattern` with its length also within [lo, hi], or None where that is not a simple rewrite
+    (or no string satisfies both). A pattern matches the whole value, as xgrammar reads it."""
+    m = _REPEATED_CLASS.fullmatch(pattern)
+    if m is None:
+        return None
+    atom, quant = m.group(1), m.group(2)
+    if quant is not None and quant.startswith("{"):
+        q_lo = int(m.group(3))
+        q_hi = q_lo if m.group(4) is None else (int(m.group(5)) if m.group(5) else None)
+    else:
+        q_lo, q_hi = _QUANTIFIERS[quant]
+    low, highs = max(lo, q_lo), [h for h in (hi, q_hi) if h is not None]
+    high = min(highs) if highs else None
+    if high is not None and high < low:
+        return None
+    return f"{atom}{{{low},{'' if high is None else high}}}"

@@ -11,8 +11,13 @@ Around it:
 - `after_reasoning`: the prompt ends inside the `think` channel (thinking on): reasoning is free,
   the grammar starts right after `<|close|>think<|sep|>`, and in chat form it begins by opening
   the response channel (`<|open|>response<|sep|>`), as the chat template's turns do.
-- `max_whitespace` (JSON): None any whitespace; 0 xgrammar's fixed layout (in tool arguments: at
-  most 1); n at most n whitespace characters in a row.
+- `max_whitespace` (JSON): at most n whitespace characters in a row; 0 is xgrammar's fixed layout
+  (in tool arguments: at most 1). The default, `DEFAULT_MAX_WHITESPACE`, is the fixed layout: JSON
+  allows any whitespace, and a sampled model left free to pad its output runs to `max_tokens`
+  without closing it. None (what a front end passes when nothing is configured) is the default, so
+  every front end gets the cap; a caller who wants pretty-printed JSON sets a larger n.
+- `parallel_tool_calls`, `max_tool_calls` (tool calling): how many calls one turn may hold (see
+  `tool_call_limit`); the count is always bounded, so a forced call always ends.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Iterable, Mapping
 from k3trt.runtime.params import RequestError
 from k3trt.runtime.structured.vocab import xgr
 
+DEFAULT_MAX_WHITESPACE = 0
 _MODES = ("json_schema", "json_object", "regex", "grammar", "tool_choice")
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*"          # [time] file.cc:123:
                          r"(?:Warning:\s*)?(?:Check failed:.*? is false:\s*)?")
@@ -97,11 +103,14 @@ class GuidedSpec:
     tools: tuple[str, ...] = ()          # JSON text of {"name", "parameters"} per tool
     tool_choice: str | None = None       # "required" or one tool's name
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None    # None: one per tool offered (see tool_call_limit)
     chat: bool = False
     after_reasoning: bool = False
-    max_whitespace: int | None = None
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE   # None: the default
 
     def __post_init__(self) -> None:
+        if self.max_whitespace is None:  # one cache key for "not configured" and the default
+            object.__setattr__(self, "max_whitespace", DEFAULT_MAX_WHITESPACE)
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _json_text(self.json_schema, "json_schema"))
         if isinstance(self.tools, (str, Mapping)):
@@ -132,6 +141,15 @@ class GuidedSpec:
             return tools
         return [t for t in tools if t["name"] == self.tool_choice]
 
+    @property
+    def tool_call_limit(self) -> int:
+        """How many calls the grammar allows: 1 without parallel calls, else `max_tool_calls`, by
+        default as many as there are tools to choose from. A forced call must end, so the count
+        is bounded: a model that never chooses to stop stops at the limit."""
+        if not self.parallel_tool_calls:
+            return 1
+        return self.max_tool_calls or len(self.tool_list())
+
     def _check(self) -> None:
         if self.tools and self.tool_choice is None:
             raise GrammarError("tools", "tools constrain the output only with tool_choice "
@@ -143,9 +161,13 @@ class GuidedSpec:
         for name in ("json_object", "parallel_tool_calls", "chat", "after_reasoning"):
             if not isinstance(getattr(self, name), bool):
                 raise GrammarError(name, f"must be a bool, got {getattr(self, name)!r}")
+        mc = self.max_tool_calls
+        if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc < 1):
+            raise GrammarError("max_tool_calls", f"must be None or an integer >= 1, got {mc!r}")
         mw = self.max_whitespace
-        if mw is not None and (not isinstance(mw, int) or isinstance(mw, bool) or mw < 0):
-            raise GrammarError("max_whitespace", f"must be None or an integer >= 0, got {mw!r}")
+        if not isinstance(mw, int) or isinstance(mw, bool) or mw < 0:
+            raise GrammarError("max_whitespace", f"must be an integer >= 0 (None: the default "
+                                                 f"{DEFAULT_MAX_WHITESPACE}), got {mw!r}")
         x = xgr()
         if self.json_schema is not None:
             _check_schema(self.json_schema, "json_schema")

@@ -105,6 +105,7 @@ class GrammarVocab:
             if i is not None and i < n:
                 encoded[i] = bytes((0xFF, k + 1))
         self._bytes = encoded
+        self._encode = tokenizer.encode
         self.info = x.TokenizerInfo(encoded, x.VocabType.RAW, vocab_size=self.vocab_size,
                                     stop_token_ids=[self.eos_id])
         h = hashlib.sha256(f"{self.vocab_size}:{self.eos_id}:".encode())
@@ -123,6 +124,14 @@ class GrammarVocab:
         self.eos_row = pack(eos)  # after the grammar ended: only eos
         log.debug("grammar vocab: %d ids (%d from the tokenizer), %d special, markers %s",
                   self.vocab_size, n, len(self.special_ids), self.has_markers)
+
+    def canonical_ids(self, text: str) -> tuple[int, ...] | None:
+        """The tokenizer's own encoding of `text` (ordinary tokens whose bytes spell it exactly), or
+        None. Fixed XTML text is asked for as these ids: a grammar of bytes would also allow any
+        other split into tokens, which costs a model off its training distribution more tokens."""
+        ids = tuple(self._encode(text))
+        ok = all(0 <= i < len(self._bytes) and i not in self.special_ids for i in ids)
+        return ids if ok and b"".join(self._bytes[i] for i in ids) == text.encode() else None
 
     def token_bytes(self, token: int) -> bytes:
         """The token's text bytes as the grammar sees them (b"" for special tokens and padding)."""
