@@ -153,17 +153,21 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+@click.option("--api-key", default=None,
+              help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (/health stays open)")
 @click.option("--model-name", default=None, help="served model id (default: the engine dir's name)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="choices queued beyond the live batch before 429")
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="characters of prompt text (messages, tools, prompt) past which a request is refused "
+                   "before it is tokenized; the body limit is 12 bytes per character + 1 MiB")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None)
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
-def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch, speculative,
-              spec_tokens) -> None:
+def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
+              speculative, spec_tokens) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"max_batch": max_batch} if max_batch else {}
@@ -173,7 +177,7 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["spec_tokens"] = spec_tokens
     try:
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
-                   max_queue=max_queue, engine_options=opts)
+                   max_queue=max_queue, max_prompt_chars=max_prompt_chars, engine_options=opts)
     except (ValueError, NotImplementedError) as e:     # engine options the engine dir cannot run
         raise click.ClickException(str(e)) from None
 

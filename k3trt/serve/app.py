@@ -1,6 +1,7 @@
 """The HTTP routes: /v1/chat/completions, /v1/completions (SSE or whole), /v1/models, /health, /metrics.
 
-A request's life: validate (400 naming the field) → render / encode the prompt off the event loop →
+A request's life: read the body (415 unless JSON, 413 past the byte bound, counted as the bytes
+arrive, so a chunked upload is bounded too) → validate (400 naming the field) → render / encode the prompt off the event loop →
 compile its grammar, if any (400 for a schema xgrammar refuses) → admit (429 past the bound) →
 submit one engine request per choice → read outputs until every choice is done. `Run.close()` runs
 exactly once however that ends (done, client gone, error): it aborts what is still running, which
@@ -35,7 +36,7 @@ from k3trt.serve.responses import Envelope, sse, usage
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
+JSON_TYPES = ("application/json",)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class ServerState:
     json_max_whitespace: int | None
     retry_after_s: int
     started: int
+    max_prompt_chars: int | None = None
+    max_body_bytes: int = 64 << 20
     owns_llm: bool = False          # built by the server: closed with it
 
 
@@ -107,11 +110,30 @@ def _state(request: Request) -> ServerState:
     return st
 
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, refused as it arrives once past `limit` bytes (content-length is only a claim)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in JSON_TYPES:
+        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                       code="unsupported_media_type")
+    too_big = APIError(413, f"The request body exceeds this server's limit of {limit} bytes",
+                       code="request_too_large")
+    claimed = request.headers.get("content-length", "")
+    if claimed.isdigit() and int(claimed) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _completions(request: Request, chat: bool) -> Response:
     st = _state(request)
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise APIError(413, f"The request body exceeds {MAX_BODY_BYTES} bytes")
-    req = validate(ChatRequest if chat else CompletionRequest, parse_json(await request.body()))
+    req = validate(ChatRequest if chat else CompletionRequest, parse_json(await _body(request, st.max_body_bytes)),
+                   st.max_prompt_chars)
     if req.model != st.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
                        param="model", code="model_not_found")
@@ -135,6 +157,8 @@ async def _completions(request: Request, chat: bool) -> Response:
     run = None
     try:
         params = list(sub.params)
+        for spec in sub.checks:
+            await compile_guided(llm, spec)
         if sub.guided is not None:      # the runtime makes one matcher per choice from the shared grammar
             for spec in sub.guided:
                 await compile_guided(llm, spec)
@@ -215,7 +239,7 @@ async def health(request: Request) -> Response:
 
 
 async def prometheus(request: Request) -> Response:
-    st: ServerState = request.app.state.k3
+    st = _state(request)        # behind --api-key too: the counters describe the traffic
     return PlainTextResponse(metrics.render(await st.engine.stats(), st.engine), media_type=metrics.CONTENT_TYPE)
 
 
