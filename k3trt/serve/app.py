@@ -31,6 +31,7 @@ from k3trt.serve.adapt import Submission, chat_submission, completion_submission
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.serve.guided import compile_guided
 from k3trt.serve.output import ChoiceStream, Update
+from k3trt.serve.prompts import PromptWorkers
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_json, validate
 from k3trt.serve.responses import Envelope, sse, usage
 
@@ -50,6 +51,7 @@ class ServerState:
     started: int
     max_prompt_chars: int | None = None
     max_body_bytes: int = 64 << 20
+    prompts: PromptWorkers | None = None     # None: made from the LLM's tokenizer
     owns_llm: bool = False          # built by the server: closed with it
 
 
@@ -132,18 +134,18 @@ async def _body(request: Request, limit: int) -> bytes:
 
 async def _completions(request: Request, chat: bool) -> Response:
     st = _state(request)
-    req = validate(ChatRequest if chat else CompletionRequest, parse_json(await _body(request, st.max_body_bytes)),
-                   st.max_prompt_chars)
+    raw = await _body(request, st.max_body_bytes)
+    req = validate(ChatRequest if chat else CompletionRequest, parse_json(raw), st.max_prompt_chars)
     if req.model != st.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
                        param="model", code="model_not_found")
     llm = st.llm
-    if chat:
-        sub = await asyncio.to_thread(chat_submission, req, llm.tokenizer, max_model_len=llm.max_model_len,
-                                       json_max_whitespace=st.json_max_whitespace)
+    if chat:        # the body's size stands in for the prompt's: it bounds it
+        sub = await st.prompts.plan(chat_submission, len(raw), req, llm.tokenizer, max_model_len=llm.max_model_len,
+                                    json_max_whitespace=st.json_max_whitespace)
     else:
-        sub = await asyncio.to_thread(completion_submission, req, llm.tokenizer, vocab_size=llm.vocab_size,
-                                       max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
+        sub = await st.prompts.plan(completion_submission, len(raw), req, llm.tokenizer, vocab_size=llm.vocab_size,
+                                    max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
     n = len(sub.params)
     if n > st.engine.max_pending:     # would never fit: not worth a retry
         raise APIError(400, f"{n} choices exceed this server's limit of {st.engine.max_pending}", param="n")
@@ -264,6 +266,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def create_app(st: ServerState) -> Starlette:
+    if st.prompts is None:
+        st.prompts = PromptWorkers(st.llm.tokenizer)
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         st.engine.start(asyncio.get_running_loop())
@@ -271,6 +275,7 @@ def create_app(st: ServerState) -> Starlette:
             yield
         finally:
             await asyncio.to_thread(st.engine.stop)
+            st.prompts.close()
             if st.owns_llm:
                 st.llm.close()
 

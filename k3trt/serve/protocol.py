@@ -37,8 +37,16 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
+    def __reduce__(self):       # raised in a prompt worker process: crosses back whole
+        return _api_error, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _api_error(status: int, message: str, type: str, param: str | None, code: str | None,
+               headers: dict) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> APIError:
