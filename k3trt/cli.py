@@ -159,9 +159,9 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="choices queued beyond the live batch before 429")
-@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=None,
               help="characters of prompt text (messages, tools, prompt) past which a request is refused "
-                   "before it is tokenized; the body limit is 12 bytes per character + 1 MiB")
+                   "before it is tokenized (default 1,000,000); the body limit is 12 bytes a character + 1 MiB")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None)
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
@@ -177,7 +177,8 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["spec_tokens"] = spec_tokens
     try:
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
-                   max_queue=max_queue, max_prompt_chars=max_prompt_chars, engine_options=opts)
+                   max_queue=max_queue, engine_options=opts,
+                   **({} if max_prompt_chars is None else {"max_prompt_chars": max_prompt_chars}))
     except (ValueError, NotImplementedError) as e:     # engine options the engine dir cannot run
         raise click.ClickException(str(e)) from None
 

@@ -28,6 +28,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_DEPTH = 64             # JSON nesting of a body; far below Python's recursion limit
 INT64 = (-(1 << 63), (1 << 63) - 1)
 PROMPT_FIELDS = ("messages", "tools", "prompt")     # whose text counts against the character bound
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 
 
 class APIError(Exception):

@@ -13,6 +13,7 @@ from typing import Any
 from k3trt.runtime.llm import LLM
 from k3trt.serve.app import ServerState, create_app
 from k3trt.serve.engine_loop import EngineLoop
+from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class ServeConfig:
     max_queue: int = 256                     # choices waiting beyond the live batch before 429
     retry_after_s: int = 1
     json_max_whitespace: int | None = None   # grammar whitespace cap (None: any, as JSON allows)
-    max_prompt_chars: int = 1_000_000        # prompt text (messages, tools, prompt) refused past it, untokenized
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS       # prompt text (messages, tools, prompt) refused past it, untokenized
     max_body_bytes: int | None = None        # None: room for max_prompt_chars, every one \u-escaped
     engine_options: dict[str, Any] = field(default_factory=dict)   # LLM(**options): max_batch, speculative,
                                                                     # spec_tokens, ...

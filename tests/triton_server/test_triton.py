@@ -225,14 +225,27 @@ def test_speculative_stats(server):
     assert opted_out["drafted_tokens"] == 0 and opted_out["text_output"] == plain["text_output"]
 
 
+def failures(server, model: str = "k3") -> float:
+    """Triton's own count of the model's failed requests (nv_inference_request_failure, every reason)."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nv_inference_request_failure{") and f'model="{model}"' in line)
+
+
 @pytest.mark.parametrize("values, field", [
     ({"text_input": "hi", "temperature": -1.0}, "temperature"),
     ({"text_input": "hi", "messages": "[]"}, "text_input"),
     ({"messages": "not json"}, "messages"),
     ({"text_input": "hi", "guided_json": '{"type": "nonsense"}'}, "guided_json"),
     ({"text_input": "hi", "stop": [""]}, "stop"),
+    ({"messages": json.dumps([{"role": "user", "content": "a\ud800b"}])}, "messages"),
+    ({"messages": "[" * 100_000 + "]" * 100_000}, "messages"),
+    ({"messages": '[{"role": "user", "content": "hi"}]', "tools": json.dumps([{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}])}, "tools"),
 ])
 def test_bad_request_is_an_error(server, values, field):
+    before = failures(server)
     with pytest.raises(InferenceServerException) as e:
         unary(server, **values)
     assert e.value.status() == "400" and field in e.value.message(), e.value.message()
@@ -243,6 +256,7 @@ def test_bad_request_is_an_error(server, values, field):
         assert isinstance(error, InferenceServerException) and field in error.message()
     finally:
         s.close()
+    assert failures(server) == before + 2         # the unary front's BLS request and the stream's
     assert unary(server, text_input="still serving?", max_tokens=3, temperature=0.0)["completion_tokens"] == 3
 
 
