@@ -52,6 +52,22 @@ chat_bodies = st.fixed_dictionaries({**common, "messages": messages},
                                               "chat_template_kwargs": json_values})
 completion_bodies = st.fixed_dictionaries({**common, "prompt": st.one_of(st.text(max_size=20), json_values)},
                                           optional={**knobs, "echo": json_values, "logprobs": json_values})
+# close to valid: mostly accepted, so the fuzz also runs requests through the engine
+good_knobs = {"temperature": st.floats(0, 2), "top_p": st.floats(0.1, 1), "top_k": st.integers(0, 50),
+              "n": st.integers(1, 2), "seed": st.integers(0, 2 ** 63 - 1), "stream": st.booleans(),
+              "stop": st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=2),
+              "presence_penalty": st.floats(-2, 2), "logit_bias": st.dictionaries(
+                  st.integers(0, 200_000).map(str), st.floats(-100, 100), max_size=2)}
+good_chat = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.integers(1, 3),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]),
+                                                 "content": st.text(max_size=40)}), min_size=1, max_size=3)},
+    optional={**good_knobs, "tools": st.lists(tool, max_size=1), "tool_choice": st.sampled_from(["auto", "none"]),
+              "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3)})
+good_completion = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.integers(1, 3),
+     "prompt": st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 129_407), min_size=1, max_size=8))},
+    optional={**good_knobs, "echo": st.booleans(), "logprobs": st.integers(0, 3)})
 raw_bodies = st.one_of(json_values.map(json.dumps), st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
                        st.integers(1, 3000).map(lambda d: "[" * d + "]" * d))
 
@@ -95,13 +111,13 @@ FUZZ = settings(max_examples=60, deadline=None, derandomize=True, suppress_healt
 
 
 @FUZZ
-@given(body=chat_bodies)
+@given(body=st.one_of(chat_bodies, good_chat))
 def test_chat_schema(server, body):
     _check(server, "/v1/chat/completions", json.dumps(body))
 
 
 @FUZZ
-@given(body=completion_bodies)
+@given(body=st.one_of(completion_bodies, good_completion))
 def test_completion_schema(server, body):
     _check(server, "/v1/completions", json.dumps(body))
 
