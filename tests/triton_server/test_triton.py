@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import re
+import signal
+import subprocess
+import sys
 import time
+import types
 import urllib.request
 
 import numpy as np
@@ -283,3 +288,34 @@ def test_cancelled_stream_frees_blocks(server):
         time.sleep(0.1)
     assert m.get("finished:abort", 0) == before.get("finished:abort", 0) + 1
     assert "cancelled by the client: aborted, its cache blocks freed" in server.log_tail(100_000)
+
+
+def test_triton_serve_in_one_command(engine_dir, tmp_path):
+    """`k3trt triton-serve ENGINE_DIR` prepares everything and serves until interrupted."""
+    try:
+        launch.pytriton_site(launch.default_cache())
+        launch.stub_env(launch.default_cache())
+    except Exception as e:      # as the server fixture: no package index and no cached wheel
+        pytest.skip(f"cannot install {launch.PYTRITON} or numpy<2 for the backend stub: {e}")
+    ports = {k: launch.free_port() for k in ("http", "grpc", "metrics")}
+    cmd = [sys.executable, "-m", "k3trt.cli", "triton-serve", str(engine_dir), "--device", "cpu",
+           "--repo", str(tmp_path / "repo"), *(a for k, p in ports.items() for a in (f"--{k}-port", str(p)))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    here = types.SimpleNamespace(http=f"127.0.0.1:{ports['http']}")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://{here.http}/v2/health/ready", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "triton-serve did not become ready"
+                time.sleep(0.5)
+        assert unary(here, text_input="hi", max_tokens=2, temperature=0.0)["completion_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
