@@ -21,8 +21,6 @@ import types
 import uuid
 from typing import Any
 
-import numpy as np
-
 from k3trt.runtime.xtml import DeltaKind
 from k3trt.serve import metrics
 from k3trt.serve.app import Run
