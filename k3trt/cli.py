@@ -153,17 +153,21 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+@click.option("--api-key", default=None,
+              help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (/health stays open)")
 @click.option("--model-name", default=None, help="served model id (default: the engine dir's name)")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="choices queued beyond the live batch before 429")
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=None,
+              help="characters of prompt text (messages, tools, prompt) past which a request is refused "
+                   "before it is tokenized (default 1,000,000); the body limit is 12 bytes a character + 1 MiB")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None)
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
-def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_batch, speculative,
-              spec_tokens) -> None:
+def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
+              speculative, spec_tokens) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"max_batch": max_batch} if max_batch else {}
@@ -173,7 +177,8 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["spec_tokens"] = spec_tokens
     try:
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
-                   max_queue=max_queue, engine_options=opts)
+                   max_queue=max_queue, engine_options=opts,
+                   **({} if max_prompt_chars is None else {"max_prompt_chars": max_prompt_chars}))
     except (ValueError, NotImplementedError) as e:     # engine options the engine dir cannot run
         raise click.ClickException(str(e)) from None
 
@@ -201,6 +206,36 @@ def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path.parent))
+
+
+@main.command("triton-serve")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="address of all three endpoints")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--repo", type=click.Path(file_okay=False), default=None,
+              help="write the model repository here (default: a temporary directory)")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=None, help="live requests per instance")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
+def triton_serve_cmd(engine_dir, host, http_port, grpc_port, metrics_port, repo, instances, max_batch, device,
+                     speculative) -> None:
+    """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C. The first run installs the
+    tritonserver of nvidia-pytriton and a numpy<2 environment for its Python stub (cached under
+    ~/.cache/k3trt/triton; the k3trt environment is not touched)."""
+    from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
+    from k3trt.triton.serve import triton_serve_main  # noqa: PLC0415 (optional: serve extras)
+    opts = {"engine_options": {"speculative": speculative}} if speculative else {}
+    try:
+        device = _engine_device(read_engine_dir(engine_dir, verify_checksums=False).backend, device)
+        code = triton_serve_main(engine_dir, repo=repo, host=host, http_port=http_port, grpc_port=grpc_port,
+                                 metrics_port=metrics_port, instances=instances, max_batch=max_batch,
+                                 device=device, **opts)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(code)
 
 
 # where each engine dir backend runs: the Triton instances' kind (auto: the first)

@@ -34,6 +34,7 @@ class Submission:
     guided: tuple[GuidedSpec, ...] | None = None   # per prompt; the caller compiles each before admission
     drop_tool_calls: bool = False            # tool_choice "none"
     echo: bool = False
+    checks: tuple[GuidedSpec, ...] = ()      # compiled only to refuse a bad tool schema, never applied
 
     @property
     def n(self) -> int:
@@ -80,12 +81,16 @@ def chat_submission(req: ChatRequest, tokenizer: Any, *, max_model_len: int,
     except ValueError as e:
         raise bad("messages", str(e)) from None
     guided = _guided_spec(req, tools, thinking, json_max_whitespace)
+    # a tool the model may call must compile whatever tool_choice says: refused now, not mid-answer
+    checks = () if guided is not None or not tools else (_spec(lambda s: s.for_tools(
+        tools, "required", parallel_tool_calls=req.parallel_tool_calls, chat=True, after_reasoning=thinking,
+        max_whitespace=json_max_whitespace), ""),)
     max_tokens = req.max_completion_tokens or req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, [ids], max_tokens, field, logprobs, max_model_len, "messages")
     return Submission((tuple(ids),), params, req.stop, thinking, logprobs, None if guided is None else (guided,),
-                drop_tool_calls=choice == "none")
+                      drop_tool_calls=choice == "none", checks=checks)
 
 
 def completion_submission(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, max_model_len: int,

@@ -1,6 +1,7 @@
 """The HTTP routes: /v1/chat/completions, /v1/completions (SSE or whole), /v1/models, /health, /metrics.
 
-A request's life: validate (400 naming the field) → render / encode the prompt off the event loop →
+A request's life: read the body (415 unless JSON, 413 past the byte bound, counted as the bytes
+arrive, so a chunked upload is bounded too) → validate (400 naming the field) → render / encode the prompt off the event loop →
 compile its grammar, if any (400 for a schema xgrammar refuses) → admit (429 past the bound) →
 submit one engine request per choice → read outputs until every choice is done. `Run.close()` runs
 exactly once however that ends (done, client gone, error): it aborts what is still running, which
@@ -30,12 +31,13 @@ from k3trt.serve.adapt import Submission, chat_submission, completion_submission
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.serve.guided import compile_guided
 from k3trt.serve.output import ChoiceStream, Update
+from k3trt.serve.prompts import PromptWorkers
 from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, parse_json, validate
 from k3trt.serve.responses import Envelope, sse, usage
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
+JSON_TYPES = ("application/json",)
 
 
 @dataclass
@@ -47,6 +49,9 @@ class ServerState:
     json_max_whitespace: int | None
     retry_after_s: int
     started: int
+    max_prompt_chars: int | None = None
+    max_body_bytes: int = 64 << 20
+    prompts: PromptWorkers | None = None     # None: made from the LLM's tokenizer
     owns_llm: bool = False          # built by the server: closed with it
 
 
@@ -107,21 +112,40 @@ def _state(request: Request) -> ServerState:
     return st
 
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, refused as it arrives once past `limit` bytes (content-length is only a claim)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in JSON_TYPES:
+        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                       code="unsupported_media_type")
+    too_big = APIError(413, f"The request body exceeds this server's limit of {limit} bytes",
+                       code="request_too_large")
+    claimed = request.headers.get("content-length", "")
+    if claimed.isdigit() and int(claimed) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _completions(request: Request, chat: bool) -> Response:
     st = _state(request)
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise APIError(413, f"The request body exceeds {MAX_BODY_BYTES} bytes")
-    req = validate(ChatRequest if chat else CompletionRequest, parse_json(await request.body()))
+    raw = await _body(request, st.max_body_bytes)
+    req = validate(ChatRequest if chat else CompletionRequest, parse_json(raw), st.max_prompt_chars)
     if req.model != st.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
                        param="model", code="model_not_found")
     llm = st.llm
-    if chat:
-        sub = await asyncio.to_thread(chat_submission, req, llm.tokenizer, max_model_len=llm.max_model_len,
-                                       json_max_whitespace=st.json_max_whitespace)
+    if chat:        # the body's size stands in for the prompt's: it bounds it
+        sub = await st.prompts.plan(chat_submission, len(raw), req, llm.tokenizer, max_model_len=llm.max_model_len,
+                                    json_max_whitespace=st.json_max_whitespace)
     else:
-        sub = await asyncio.to_thread(completion_submission, req, llm.tokenizer, vocab_size=llm.vocab_size,
-                                       max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
+        sub = await st.prompts.plan(completion_submission, len(raw), req, llm.tokenizer, vocab_size=llm.vocab_size,
+                                    max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
     n = len(sub.params)
     if n > st.engine.max_pending:     # would never fit: not worth a retry
         raise APIError(400, f"{n} choices exceed this server's limit of {st.engine.max_pending}", param="n")
@@ -135,6 +159,8 @@ async def _completions(request: Request, chat: bool) -> Response:
     run = None
     try:
         params = list(sub.params)
+        for spec in sub.checks:
+            await compile_guided(llm, spec)
         if sub.guided is not None:      # the runtime makes one matcher per choice from the shared grammar
             for spec in sub.guided:
                 await compile_guided(llm, spec)
@@ -215,7 +241,7 @@ async def health(request: Request) -> Response:
 
 
 async def prometheus(request: Request) -> Response:
-    st: ServerState = request.app.state.k3
+    st = _state(request)        # behind --api-key too: the counters describe the traffic
     return PlainTextResponse(metrics.render(await st.engine.stats(), st.engine), media_type=metrics.CONTENT_TYPE)
 
 
@@ -240,6 +266,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def create_app(st: ServerState) -> Starlette:
+    if st.prompts is None:
+        st.prompts = PromptWorkers(st.llm.tokenizer)
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         st.engine.start(asyncio.get_running_loop())
@@ -247,6 +275,7 @@ def create_app(st: ServerState) -> Starlette:
             yield
         finally:
             await asyncio.to_thread(st.engine.stop)
+            st.prompts.close()
             if st.owns_llm:
                 st.llm.close()
 

@@ -6,6 +6,12 @@ with `param` naming the offending field the way a client wrote it (`messages[2].
 (`max_token`) fails loudly instead of being ignored. Numbers are strict (`"1"` is not an integer).
 Fields whose type is a union (stop, prompt, tool_choice, messages) are checked by hand here, so the
 error names the field and not a pydantic union branch.
+
+Before any of that, one walk over the parsed body (`check_body`) refuses what would otherwise fail
+deep inside the server as a 500: nesting past MAX_DEPTH (the template renderer, pydantic and the
+grammar compiler all recurse), strings that are not valid Unicode (lone surrogates: the tokenizer
+cannot encode them), integers outside int64 (torch cannot seed with them), and prompt text past the
+server's character bound (counted before anything is tokenized).
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ MAX_N = 16
 MAX_LOGPROBS = 20          # as the runtime's SamplingParams allows
 MAX_STOP = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_DEPTH = 64             # JSON nesting of a body; far below Python's recursion limit
+INT64 = (-(1 << 63), (1 << 63) - 1)
+PROMPT_FIELDS = ("messages", "tools", "prompt")     # whose text counts against the character bound
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 
 
 class APIError(Exception):
@@ -28,8 +38,16 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
+    def __reduce__(self):       # raised in a prompt worker process: crosses back whole
+        return _api_error, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _api_error(status: int, message: str, type: str, param: str | None, code: str | None,
+               headers: dict) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
 
 
 def bad(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -129,12 +147,51 @@ def parse_json(body: bytes) -> dict[str, Any]:
         data = json.loads(body or b"null")
     except ValueError as e:
         raise bad(None, f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad(None, f"The request body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise bad(None, "The request body must be a JSON object")
     return data
 
 
-def validate(model: type[_Model], data: dict[str, Any]) -> Any:
+def check_body(data: Any, max_prompt_chars: int | None = None) -> None:
+    """Refuse nesting past MAX_DEPTH, lone surrogates, integers outside int64 and more than
+    `max_prompt_chars` characters of text under PROMPT_FIELDS; iterative, so depth cannot hurt it."""
+    chars = 0
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
+    while stack:
+        value, loc, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(param_of(loc[:1]) or None, f"The request nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _text_ok(k, loc)
+                stack.append((v, (*loc, k), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, (*loc, i), depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _text_ok(value, loc)
+            if loc[:1] and loc[0] in PROMPT_FIELDS:
+                chars += len(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            raise bad(param_of(loc), f"Invalid value for '{param_of(loc)}': {value} is outside the 64-bit "
+                                     f"integer range")
+    if max_prompt_chars is not None and chars > max_prompt_chars:
+        field = next((f for f in PROMPT_FIELDS if f in data), None) if isinstance(data, dict) else None
+        raise bad(field, f"The prompt has {chars} characters; this server takes at most {max_prompt_chars}",
+                  code="prompt_too_long")
+
+
+def _text_ok(text: str, loc: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(param_of(loc) or None, f"'{param_of(loc)}' is not valid Unicode: it holds a lone "
+                                         f"surrogate") from None
+
+
+def validate(model: type[_Model], data: dict[str, Any], max_prompt_chars: int | None = None) -> Any:
+    check_body(data, max_prompt_chars)
     try:
         req = model.model_validate(data)
     except ValidationError as e:

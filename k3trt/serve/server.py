@@ -13,6 +13,7 @@ from typing import Any
 from k3trt.runtime.llm import LLM
 from k3trt.serve.app import ServerState, create_app
 from k3trt.serve.engine_loop import EngineLoop
+from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ class ServeConfig:
     max_queue: int = 256                     # choices waiting beyond the live batch before 429
     retry_after_s: int = 1
     json_max_whitespace: int | None = None   # grammar whitespace cap (None: any, as JSON allows)
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS       # prompt text (messages, tools, prompt) refused past it, untokenized
+    max_body_bytes: int | None = None        # None: room for max_prompt_chars, every one \u-escaped
     engine_options: dict[str, Any] = field(default_factory=dict)   # LLM(**options): max_batch, speculative,
                                                                     # spec_tokens, ...
     log_level: str = "info"
@@ -35,16 +38,18 @@ class ServeConfig:
 
 def build_app(cfg: ServeConfig, llm: Any = None):
     """The Starlette app for `cfg` (loads the engine unless `llm` is given)."""
-    if cfg.max_queue < 0:
-        raise ValueError(f"max_queue must be >= 0, got {cfg.max_queue}")
+    if cfg.max_queue < 0 or cfg.max_prompt_chars < 1:
+        raise ValueError(f"max_queue must be >= 0 and max_prompt_chars >= 1, got {cfg.max_queue}, "
+                         f"{cfg.max_prompt_chars}")
     owns = llm is None
     llm = llm or LLM(cfg.engine_dir, device=cfg.device, **cfg.engine_options)
     if llm.tokenizer is None:
         raise ValueError(f"{cfg.engine_dir}: the engine dir has no tokenizer; the server needs one")
     engine = EngineLoop(llm, max_pending=llm.config.max_batch + cfg.max_queue)
     name = cfg.model_name or Path(cfg.engine_dir).resolve().name
+    body = cfg.max_body_bytes or 12 * cfg.max_prompt_chars + (1 << 20)   # 12: a \uXXXX\uXXXX pair per char
     st = ServerState(llm, engine, name, cfg.api_key, cfg.json_max_whitespace, cfg.retry_after_s, int(time.time()),
-                     owns_llm=owns)
+                     max_prompt_chars=cfg.max_prompt_chars, max_body_bytes=body, owns_llm=owns)
     return create_app(st)
 
 
@@ -57,7 +62,8 @@ def _uvicorn(cfg: ServeConfig, app: Any):
 def serve_main(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                **options: Any) -> None:
     """Serve ENGINE_DIR until interrupted. `options`: the other ServeConfig fields (model_name, device,
-    max_queue, retry_after_s, json_max_whitespace, engine_options, log_level)."""
+    max_queue, retry_after_s, json_max_whitespace, max_prompt_chars, max_body_bytes, engine_options,
+    log_level)."""
     cfg = ServeConfig(engine_dir, host=host, port=port, api_key=api_key, **options)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach the port can use the model", host)

@@ -5,7 +5,7 @@ thread; an asyncio loop on a second thread serves the requests. `execute` only r
 request's tensors and hands it to that loop, so it returns at once and the instance keeps taking
 requests while others generate (continuous batching happens in the runtime, not in Triton).
 A request's life mirrors the OpenAI server's (serve.app.Run: submit, read outputs, stop strings,
-abort on close): parse (an error response naming the input if refused) → grammar → admit →
+abort on close): parse and grammar in `execute` (a refusal raised, naming the input) → admit →
 stream responses → the final one flagged COMPLETE_FINAL. A client that cancels is noticed by
 polling the response sender; the request is aborted at once, which frees its cache blocks.
 """
@@ -21,14 +21,12 @@ import types
 import uuid
 from typing import Any
 
-import numpy as np
-
 from k3trt.runtime.xtml import DeltaKind
 from k3trt.serve import metrics
 from k3trt.serve.app import Run
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
-from k3trt.serve.guided import compile_guided
-from k3trt.serve.protocol import APIError
+from k3trt.runtime.params import RequestError
+from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS, APIError, bad
 from k3trt.triton.metrics import TritonMetrics, forward_logs, output_tensors
 from k3trt.triton.requests import Job, parse
 from k3trt.triton.schema import ERROR_PREFIX
@@ -55,6 +53,7 @@ class EngineModel:
         device = "cpu" if args.get("model_instance_kind") == "CPU" else f"cuda:{args['model_instance_device_id']}"
         mw = params.get("json_max_whitespace", "")
         self.json_max_whitespace = int(mw) if mw else None
+        self.max_prompt_chars = int(params.get("max_prompt_chars") or DEFAULT_MAX_PROMPT_CHARS)
         self.llm = LLM(params["engine_dir"], device=device, **json.loads(params.get("engine_options") or "{}"))
         if self.llm.tokenizer is None:
             raise RuntimeError(f"{params['engine_dir']}: the engine dir has no tokenizer; Triton serving needs one")
@@ -69,17 +68,46 @@ class EngineModel:
 
     # ---- stub thread ----------------------------------------------------------------------------
     def execute(self, requests: list) -> None:
+        """Each request is read, validated and tokenized here, and its grammar compiled, before it is
+        handed to the event loop. A refused request gets its INVALID_ARG error response (a 400) here;
+        Triton counts a request as failed (nv_inference_request_failure) only when `execute` raises
+        (an error response counts as a success), so `execute` then raises too when the request is
+        alone in its batch (always: the model has no dynamic batching). The raised error reaches no
+        client: the request's final response has gone out already."""
         for request in requests:
-            sender = request.get_response_sender()
-            try:
-                raw = {t.name(): t.as_numpy() for t in request.inputs()}
-            except Exception as e:            # tensors the stub cannot read: refuse this request only
-                log.exception("reading the inputs of request %r failed", request.request_id())
-                _Sender(sender, self.pb).error("INVALID_ARG", f"could not read the inputs: {e}")
-                continue
+            sender = _Sender(request.get_response_sender(), self.pb)
             rid = f"{self.name}-{request.request_id() or uuid.uuid4().hex[:12]}-{uuid.uuid4().hex[:8]}"
-            asyncio.run_coroutine_threadsafe(self._serve(rid, _Sender(sender, self.pb), raw), self.loop)
+            try:
+                job, params = self._prepare(request)
+            except _Refused as e:
+                sender.error(e.kind, e.message)
+                if len(requests) == 1:
+                    raise self.pb.TritonModelException(ERROR_PREFIX[e.kind] + e.message)
+                continue
+            asyncio.run_coroutine_threadsafe(self._serve(rid, sender, job, params), self.loop)
         return None
+
+    def _prepare(self, request: Any) -> tuple[Job, list]:
+        try:
+            raw = {t.name(): t.as_numpy() for t in request.inputs()}
+        except Exception as e:            # tensors the stub cannot read: refuse this request only
+            log.exception("reading the inputs of request %r failed", request.request_id())
+            raise _Refused("INVALID_ARG", f"could not read the inputs: {e}") from None
+        llm = self.llm
+        try:
+            job = parse(raw, llm.tokenizer, model=self.name, max_model_len=llm.max_model_len,
+                        vocab_size=llm.vocab_size, json_max_whitespace=self.json_max_whitespace,
+                        max_prompt_chars=self.max_prompt_chars)
+            for spec in job.submission.checks:
+                _compiled(llm, spec)
+            params = list(job.submission.params)
+            if job.submission.guided is not None:     # compiled here: a grammar xgrammar refuses is a 400
+                _compiled(llm, job.submission.guided[0])
+                params = [dataclasses.replace(p, guided=job.submission.guided[0]) for p in params]
+        except APIError as e:
+            where = f"{e.param}: " if e.param and not e.message.startswith(e.param) else ""
+            raise _Refused("INVALID_ARG", where + e.message) from None
+        return job, params
 
     def finalize(self) -> None:
         self._metrics_task.cancel()
@@ -91,25 +119,14 @@ class EngineModel:
         log.info("k3trt model %s stopped", self.instance)
 
     # ---- event loop -----------------------------------------------------------------------------
-    async def _serve(self, rid: str, sender: "_Sender", raw: dict[str, np.ndarray]) -> None:
+    async def _serve(self, rid: str, sender: "_Sender", job: Job, params: list) -> None:
         run, admitted = None, False
         try:
-            llm = self.llm
-            job = await asyncio.to_thread(parse, raw, llm.tokenizer, model=self.name, max_model_len=llm.max_model_len,
-                                          vocab_size=llm.vocab_size, json_max_whitespace=self.json_max_whitespace)
-            sub = job.submission
-            params = list(sub.params)
-            if sub.guided is not None:            # compiled here: a grammar xgrammar refuses is a 400
-                await compile_guided(llm, sub.guided[0])
-                params = [dataclasses.replace(p, guided=sub.guided[0]) for p in params]
             self.engine.admit(len(params))
             admitted = True
             # Run needs only .engine and .llm of the server's state
-            run = Run(types.SimpleNamespace(engine=self.engine, llm=llm), sub, params, rid)
+            run = Run(types.SimpleNamespace(engine=self.engine, llm=self.llm), job.submission, params, rid)
             await self._respond(run, job, sender, rid)
-        except APIError as e:
-            where = f"{e.param}: " if e.param and not e.message.startswith(e.param) else ""
-            sender.error("INVALID_ARG", where + e.message)
         except Overloaded as e:
             sender.error("UNAVAILABLE", f"{e}; retry later")
         except Exception as e:
@@ -168,6 +185,20 @@ class EngineModel:
             except Exception:
                 log.exception("publishing metrics failed; metrics stay as they were")
             await asyncio.sleep(METRICS_PERIOD_S)
+
+
+class _Refused(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def _compiled(llm: Any, spec: Any) -> None:
+    """Compile `spec` in the engine's grammar cache, waiting for it; a refused grammar is an APIError."""
+    try:
+        llm.compile_guided(spec).result()
+    except RequestError as e:             # GrammarError is a RequestError
+        raise bad(e.field, e.message) from None
 
 
 def _split(deltas: list) -> tuple[str, str]:

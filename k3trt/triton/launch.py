@@ -1,6 +1,6 @@
-"""Run a real `tritonserver` on loopback from the `nvidia-pytriton` wheel (tests, the example,
-trying a repository out). Production deployments run NVIDIA's Triton container instead; the
-same repository works there (README: Serving with Triton).
+"""Run a real `tritonserver` from the `nvidia-pytriton` wheel (tests, the example, `k3trt
+triton-serve`). Production deployments may run NVIDIA's Triton container instead; the same
+repository works there (README: Serving with Triton).
 
 What it takes to run k3trt in that server's Python backend, found by trying (Triton 2.51 in
 nvidia-pytriton 0.7.0):
@@ -116,18 +116,23 @@ def free_port() -> int:
 
 
 class TritonServer:
-    """`tritonserver` on loopback ports with `repo`: `with TritonServer(repo, site) as s: s.http`."""
+    """`tritonserver` with `repo`: `with TritonServer(repo, site) as s: s.http`. Loopback and free
+    ports unless `host` / `ports` ({"http", "grpc", "metrics"} -> port) say otherwise; `log_path`
+    None: its log goes to this process's stdout."""
 
-    def __init__(self, repo: str | Path, site: Path, *, log_path: str | Path, cache: Path | None = None):
-        self.repo, self.log_path = Path(repo).resolve(), Path(log_path)
+    def __init__(self, repo: str | Path, site: Path, *, log_path: str | Path | None, cache: Path | None = None,
+                 host: str = "127.0.0.1", ports: dict[str, int] | None = None):
+        self.repo, self.log_path = Path(repo).resolve(), None if log_path is None else Path(log_path)
         self.root = server_dir(site, cache)
         self.libs = site / "nvidia_pytriton.libs"
-        self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+        self.host = host
+        self.ports = ports or {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
         self.proc: subprocess.Popen | None = None
 
-    http = property(lambda self: f"127.0.0.1:{self.ports['http']}")
-    grpc = property(lambda self: f"127.0.0.1:{self.ports['grpc']}")
-    metrics_url = property(lambda self: f"http://127.0.0.1:{self.ports['metrics']}/metrics")
+    local = property(lambda self: "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host)
+    http = property(lambda self: f"{self.local}:{self.ports['http']}")
+    grpc = property(lambda self: f"{self.local}:{self.ports['grpc']}")
+    metrics_url = property(lambda self: f"http://{self.local}:{self.ports['metrics']}/metrics")
 
     def start(self, timeout: float = 120.0) -> "TritonServer":
         libdir = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
@@ -136,11 +141,12 @@ class TritonServer:
         cmd = [str(self.root / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                f"--backend-directory={self.root / 'backends'}", f"--cache-directory={self.root / 'caches'}",
                f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}",
-               f"--metrics-port={self.ports['metrics']}", "--http-address=127.0.0.1", "--grpc-address=127.0.0.1",
-               "--metrics-address=127.0.0.1", "--exit-timeout-secs=15", "--log-info=true"]
-        with open(self.log_path, "wb") as out:     # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+               f"--metrics-port={self.ports['metrics']}", f"--http-address={self.host}",
+               f"--grpc-address={self.host}", f"--metrics-address={self.host}", "--exit-timeout-secs=15",
+               "--log-info=true"]
+        with open(self.log_path or os.devnull, "wb") as out:     # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdout=None if self.log_path is None else out, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -158,7 +164,18 @@ class TritonServer:
             return False
 
     def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.is_file() else ""
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait(self) -> int:
+        """Until the server exits (Ctrl-C: stopped); its exit status."""
+        try:
+            return self.proc.wait()
+        except KeyboardInterrupt:
+            log.info("stopping tritonserver")
+            self.stop()
+            return 0
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then SIGKILL to its process group (the stubs) if it does not exit in time."""

@@ -21,7 +21,7 @@ import numpy as np
 from k3trt.runtime.params import RequestError
 from k3trt.runtime.structured import GuidedSpec
 from k3trt.serve.adapt import Submission, chat_submission, completion_submission
-from k3trt.serve.protocol import APIError, ChatRequest, CompletionRequest, bad, validate
+from k3trt.serve.protocol import MAX_DEPTH, APIError, ChatRequest, CompletionRequest, bad, validate
 
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "speculative")
@@ -36,7 +36,7 @@ class Job:
 
 
 def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_model_len: int, vocab_size: int,
-          json_max_whitespace: int | None = None) -> Job:
+          json_max_whitespace: int | None = None, max_prompt_chars: int | None = None) -> Job:
     """A Job for the tensors `raw` (input name -> array); APIError (400, naming the input) if refused."""
     one = _Reader(raw)
     text, messages = one("text_input"), one("messages")
@@ -64,13 +64,13 @@ def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_mode
                     {"type": "function", "function": {"name": choice}}
             if (thinking := one("thinking")) is not None:
                 body["chat_template_kwargs"] = {"thinking": thinking}
-            sub = chat_submission(validate(ChatRequest, body), tokenizer, max_model_len=max_model_len,
+            sub = chat_submission(validate(ChatRequest, body, max_prompt_chars), tokenizer, max_model_len=max_model_len,
                              json_max_whitespace=json_max_whitespace)
         else:
             given = [k for k in CHAT_ONLY if k in raw]
             if given:
                 raise bad(given[0], f"{given[0]} needs messages (chat), not text_input")
-            sub = completion_submission(validate(CompletionRequest, {**body, "prompt": text}), tokenizer,
+            sub = completion_submission(validate(CompletionRequest, {**body, "prompt": text}, max_prompt_chars), tokenizer,
                                         vocab_size=vocab_size, max_model_len=max_model_len,
                                         json_max_whitespace=json_max_whitespace)
     except APIError as e:
@@ -110,6 +110,8 @@ def _json(text: str, name: str) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise bad(name, f"{name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad(name, f"{name} nests deeper than {MAX_DEPTH} levels") from None
 
 
 def _renamed(e: APIError, guided: str) -> APIError:

@@ -68,7 +68,9 @@ def client(server):
 
 
 def metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    key = server.cfg.api_key
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")}
 
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import re
+import signal
+import subprocess
+import sys
 import time
+import types
 import urllib.request
 
 import numpy as np
@@ -225,14 +230,27 @@ def test_speculative_stats(server):
     assert opted_out["drafted_tokens"] == 0 and opted_out["text_output"] == plain["text_output"]
 
 
+def failures(server, model: str = "k3") -> float:
+    """Triton's own count of the model's failed requests (nv_inference_request_failure, every reason)."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nv_inference_request_failure{") and f'model="{model}"' in line)
+
+
 @pytest.mark.parametrize("values, field", [
     ({"text_input": "hi", "temperature": -1.0}, "temperature"),
     ({"text_input": "hi", "messages": "[]"}, "text_input"),
     ({"messages": "not json"}, "messages"),
     ({"text_input": "hi", "guided_json": '{"type": "nonsense"}'}, "guided_json"),
     ({"text_input": "hi", "stop": [""]}, "stop"),
+    ({"messages": json.dumps([{"role": "user", "content": "a\ud800b"}])}, "messages"),
+    ({"messages": "[" * 100_000 + "]" * 100_000}, "messages"),
+    ({"messages": '[{"role": "user", "content": "hi"}]', "tools": json.dumps([{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}])}, "tools"),
 ])
 def test_bad_request_is_an_error(server, values, field):
+    before = failures(server)
     with pytest.raises(InferenceServerException) as e:
         unary(server, **values)
     assert e.value.status() == "400" and field in e.value.message(), e.value.message()
@@ -243,6 +261,7 @@ def test_bad_request_is_an_error(server, values, field):
         assert isinstance(error, InferenceServerException) and field in error.message()
     finally:
         s.close()
+    assert failures(server) == before + 2         # the unary front's BLS request and the stream's
     assert unary(server, text_input="still serving?", max_tokens=3, temperature=0.0)["completion_tokens"] == 3
 
 
@@ -269,3 +288,34 @@ def test_cancelled_stream_frees_blocks(server):
         time.sleep(0.1)
     assert m.get("finished:abort", 0) == before.get("finished:abort", 0) + 1
     assert "cancelled by the client: aborted, its cache blocks freed" in server.log_tail(100_000)
+
+
+def test_triton_serve_in_one_command(engine_dir, tmp_path):
+    """`k3trt triton-serve ENGINE_DIR` prepares everything and serves until interrupted."""
+    try:
+        launch.pytriton_site(launch.default_cache())
+        launch.stub_env(launch.default_cache())
+    except Exception as e:      # as the server fixture: no package index and no cached wheel
+        pytest.skip(f"cannot install {launch.PYTRITON} or numpy<2 for the backend stub: {e}")
+    ports = {k: launch.free_port() for k in ("http", "grpc", "metrics")}
+    cmd = [sys.executable, "-m", "k3trt.cli", "triton-serve", str(engine_dir), "--device", "cpu",
+           "--repo", str(tmp_path / "repo"), *(a for k, p in ports.items() for a in (f"--{k}-port", str(p)))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    here = types.SimpleNamespace(http=f"127.0.0.1:{ports['http']}")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://{here.http}/v2/health/ready", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "triton-serve did not become ready"
+                time.sleep(0.5)
+        assert unary(here, text_input="hi", max_tokens=2, temperature=0.0)["completion_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
