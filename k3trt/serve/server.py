@@ -28,7 +28,7 @@ class ServeConfig:
     device: str = "cpu"
     max_queue: int = 256                     # choices waiting beyond the live batch before 429
     retry_after_s: int = 1
-    json_max_whitespace: int | None = None   # grammar whitespace cap (None: any, as JSON allows)
+    json_max_whitespace: int | None = None   # grammar whitespace cap (None: structured.DEFAULT_MAX_WHITESPACE)
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS       # prompt text (messages, tools, prompt) refused past it, untokenized
     max_body_bytes: int | None = None        # None: room for max_prompt_chars, every one \u-escaped
     engine_options: dict[str, Any] = field(default_factory=dict)   # LLM(**options): max_batch, speculative,
