@@ -42,10 +42,11 @@ def median_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn, calls: int = 10, reps: int = 7) -> float:
-    """Median µs per call of fn() captured `calls` times in one CUDA graph and replayed `reps`
-    times: launch overhead out, as a step's graph replays it."""
-    fn()                                           # compile / allocate outside the capture
+def capture_graph(fn, calls: int = 10):
+    """fn() run once eagerly and once on a side stream (compile, allocator), then `calls` of it
+    captured in one CUDA graph, replayed once."""
+    fn()
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -56,6 +57,13 @@ def graph_us(fn, calls: int = 10, reps: int = 7) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
+    return graph
+
+
+def graph_us(fn, calls: int = 10, reps: int = 7) -> float:
+    """Median µs per call of fn() captured `calls` times in one CUDA graph and replayed `reps`
+    times: launch overhead out, as a step's graph replays it."""
+    graph = capture_graph(fn, calls)
     ms = median_ms(graph.replay, warmup=1, reps=reps)
     del graph
     return ms * 1000 / calls

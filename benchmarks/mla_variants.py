@@ -15,26 +15,10 @@ from k3trt.plugins import mla_cuda
 from k3trt.plugins.mla_verify import mla_verify_ref
 from k3trt.testing import rel_norm_error
 
+from harness import capture_graph   # benchmarks/ (the script's folder) is on sys.path
+
 Q_ROWS = 4  # query rows a request (K3's speculative verification)
 D_QK, D_V = 576, 512
-
-
-def capture_graph(fn, calls: int = 10):
-    """fn() run once eagerly and once on a side stream (warm-up, allocator), then `calls` of it
-    captured in a CUDA graph, replayed once."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    return graph
 
 
 def replay_us(graph, calls: int) -> float:
