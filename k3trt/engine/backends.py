@@ -41,11 +41,6 @@ class Backend:
     def is_rtx(self) -> bool:
         return self.name == "tensorrt-rtx"
 
-    @property
-    def graph_kind(self) -> str:
-        """Which exported graphs it parses: "plugin" (k3trt nodes) or "native"."""
-        return "native" if self.is_rtx else "plugin"
-
 
 def installed_backends() -> list[str]:
     """TensorRT backends whose module can be found (without importing it)."""
