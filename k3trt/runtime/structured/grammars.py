@@ -4,7 +4,7 @@ XTML chat frame around them, and the XTML tool-call structural tag.
 XTML markers are always asked for as tokens by id (`vocab.py` makes them unreachable as text), and
 the bodies between them are text grammars, so a marker can neither be skipped nor appear inside a
 value; the fixed text between markers (channel names, headers) is asked for as the tokenizer's own
-ids. A forced tool call leaves the response body empty and allows at most
+ids. A forced tool call bounds its reasoning, leaves the response body empty and allows at most
 `GuidedSpec.tool_call_limit` calls, so it always ends. A tool call (spec/XTML.md):
     <|open|>call tool="NAME" index="N"<|sep|>ARGUMENTS<|close|>call<|sep|>
 ARGUMENTS is one `<|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|>` per
