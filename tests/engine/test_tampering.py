@@ -1,7 +1,8 @@
 """Tampering: every file of an engine dir damaged, truncated, deleted or joined by an extra one,
 and config.json edited, is refused with the right remedy before anything generates; damaged
 checkpoints are refused at `k3trt build` with a message naming the file, the tensor and the fix.
-One tiny engine is built per module and copied for each case."""
+One tiny engine per backend (torch; onnx, one graph per phase, where onnxruntime is installed) is
+built per module and copied for each case."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from k3trt.builder.build import build_engine
 from k3trt.cli import main as cli
 from k3trt.engine.engine_dir import DIGEST_KEY, EngineDirError, config_digest, read_engine_dir, sha256_file
 from k3trt.model.checkpoint_io import CheckpointError
@@ -37,6 +39,22 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt, tmp_path_factory):
     return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("tamper") / "engine")
+
+
+@pytest.fixture(scope="module")
+def onnx_engine(tiny_ckpt, tmp_path_factory):
+    for module in ("onnxruntime", "onnxruntime_extensions", "onnxscript"):
+        pytest.importorskip(module)
+    return build_engine(tiny_ckpt, tmp_path_factory.mktemp("tamper_onnx") / "engine", backend="onnx", dtype="fp32",
+                        capacities=[1], max_num_tokens=1, spec_tokens=0, block_size=16)
+
+
+ENGINES = {"torch": "engine", "onnx": "onnx_engine"}    # backend -> its engine fixture
+
+
+@pytest.fixture(params=sorted(ENGINES))
+def any_engine(request):
+    return request.getfixturevalue(ENGINES[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +123,12 @@ DAMAGE = {"flipped": _flip, "truncated": _truncate, "deleted": Path.unlink}
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_every_file_damaged_is_refused(engine, tmp_path, damage):
-    files = _all_files(engine)
+def test_every_file_damaged_is_refused(any_engine, tmp_path, damage):
+    files = _all_files(any_engine)
     assert "config.json" in files and len(files) >= 6
     for rel in files:
         d = tmp_path / "e"
-        shutil.copytree(engine, d)
+        shutil.copytree(any_engine, d)
         DAMAGE[damage](d / rel)
         if rel == "config.json":
             _refused(d, REBUILD)
@@ -122,10 +140,11 @@ def test_every_file_damaged_is_refused(engine, tmp_path, damage):
         shutil.rmtree(d)
 
 
-@pytest.mark.parametrize("extra", ["rank0/model-00009-of-00009.safetensors", "tokenizer/notes.txt", "stray.bin"])
-def test_an_extra_file_is_refused_by_name(engine, tmp_path, extra):
+@pytest.mark.parametrize("extra", ["rank0/model-00009-of-00009.safetensors", "rank0/verify_b2.onnx",
+                                   "tokenizer/notes.txt", "stray.bin"])
+def test_an_extra_file_is_refused_by_name(any_engine, tmp_path, extra):
     d = tmp_path / "e"
-    shutil.copytree(engine, d)
+    shutil.copytree(any_engine, d)
     (d / extra).write_bytes(b"\0" * 64)
     _refused(d, extra, "not listed in config.json", "remove it", REBUILD)
 
@@ -137,6 +156,11 @@ def test_a_symlinked_file_is_refused(engine, tiny_ckpt, tmp_path):
     shard.unlink()
     shard.symlink_to(tiny_ckpt / shard.name)              # same bytes, but not the engine's own file
     _refused(d, f"rank0/{shard.name} is a symbolic link", REBUILD)
+
+
+def test_the_onnx_graphs_are_covered(onnx_engine):
+    listed = read_engine_dir(onnx_engine).files
+    assert {"rank0/verify_b1.onnx", "rank0/prefill_t1.onnx", "rank0/weights.bin", "rank0/weights.json"} <= set(listed)
 
 
 # ------------------------------------------------------------------------------ config.json edited
@@ -160,9 +184,9 @@ EDITS = {
 
 
 @pytest.mark.parametrize("field", sorted(EDITS))
-def test_an_edited_config_is_refused(engine, tmp_path, field):
+def test_an_edited_config_is_refused(any_engine, tmp_path, field):
     d = tmp_path / "e"
-    shutil.copytree(engine, d)
+    shutil.copytree(any_engine, d)
     doc = json.loads((d / "config.json").read_text())
     _set(doc, field, EDITS[field])
     (d / "config.json").write_text(json.dumps(doc, indent=2))
@@ -202,10 +226,10 @@ def test_a_config_without_digest_is_refused(engine, tmp_path):
     _refused(d, DIGEST_KEY, REBUILD)
 
 
-def test_the_intact_copy_loads(engine, tmp_path):
+def test_the_intact_copy_loads(any_engine, tmp_path):
     d = tmp_path / "e"
-    shutil.copytree(engine, d)
-    assert read_engine_dir(d).files == read_engine_dir(engine).files
+    shutil.copytree(any_engine, d)
+    assert read_engine_dir(d).files == read_engine_dir(any_engine).files
 
 
 # ------------------------------------------------------------------------------ checkpoint damage at build

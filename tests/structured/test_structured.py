@@ -368,6 +368,8 @@ def test_tool_call_structural_tag(choice, tok, vocab, cache, bias):
         run = Run(guide, bias, seed, k=3)
         prefix = reasoning_ids(tok, vocab, "plan") if after else []
         assert run.state.commit(prefix) == len(prefix)
+        if spec.bounds_reasoning:    # a forced call's grammar covers its (bounded) reasoning too
+            assert all(run.ref.accept_token(t) for t in prefix)
         out = prefix + run.run(600)
         assert run.state.is_terminated and out[-1] == vocab.eos_id, tok.decode(out)
         parsed = xtml.parse(tok.decode(out), thinking=after)

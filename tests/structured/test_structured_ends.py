@@ -1,6 +1,7 @@
 """Structured output that always ends, on the tiny engine (greedy): the README's Python example
 gives valid JSON, and a forced tool call (tool_choice "required", built as the OpenAI server builds
-it) completes within max_tokens 64 with its argument inside the schema's bound."""
+it) completes within max_tokens 64 with its argument inside the schema's bound, with thinking off
+and with thinking on (the grammar bounds the reasoning: GuidedSpec.max_reasoning_chars)."""
 
 from __future__ import annotations
 
@@ -36,17 +37,23 @@ def test_readme_python_example_gives_json(llm):
     assert_released(llm)
 
 
+REASONING_CHARS = 8   # at most 8 tokens of ASCII reasoning, 32 of any: the call still fits in 64
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
 @pytest.mark.parametrize("choice", ["required", "lookup"])
-def test_forced_tool_call_completes(llm, choice):
-    ids = chat_ids(llm.tokenizer, [{"role": "user", "content": "Find cats."}], tools=[LOOKUP], thinking=False)
-    # as serve/adapt.py builds it: chat, reasoning off, the server's default whitespace (None)
-    spec = GuidedSpec.for_tools([LOOKUP], choice, parallel_tool_calls=True, chat=True, after_reasoning=False,
-                                max_whitespace=None)
+def test_forced_tool_call_completes(llm, choice, thinking):
+    ids = chat_ids(llm.tokenizer, [{"role": "user", "content": "Find cats."}], tools=[LOOKUP], thinking=thinking)
+    # as serve/adapt.py builds it: chat, after_reasoning as the prompt says, the server's default
+    # whitespace (None)
+    spec = GuidedSpec.for_tools([LOOKUP], choice, parallel_tool_calls=True, chat=True, after_reasoning=thinking,
+                                max_whitespace=None, max_reasoning_chars=REASONING_CHARS if thinking else None)
     out = llm.generate([ids], SamplingParams(max_tokens=64, guided=spec))[0]
     text = llm.tokenizer.decode(out.token_ids)
     assert out.finish_reason == "stop", (out.finish_reason, text)
-    parsed = xtml.parse(text, thinking=False)
+    parsed = xtml.parse(text, thinking=thinking)
     assert not parsed.content
+    assert len(parsed.reasoning or "") <= (REASONING_CHARS if thinking else 0)
     (call,) = parsed.tool_calls
     assert call.name == "lookup" and set(call.arguments) == {"q"}
     assert isinstance(call.arguments["q"], str) and len(call.arguments["q"]) <= 12

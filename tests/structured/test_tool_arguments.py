@@ -1,7 +1,8 @@
 """Tool-call grammars enforce each argument's schema (structured/grammars.py), checked with
 xgrammar's matcher directly: a whole XTML call block is accepted or rejected. Markers go in by id,
 the fixed text between them as the tokenizer's own ids (as the grammar asks for it), values as text.
-Also: the default JSON whitespace cap and the bounded call count of GuidedSpec."""
+Also: the default JSON whitespace cap, the bounded call count and the reasoning budget of
+GuidedSpec."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ xgr = pytest.importorskip("xgrammar")
 from k3trt.runtime.params import SamplingParams  # noqa: E402
 from k3trt.runtime.structured import (  # noqa: E402
     DEFAULT_MAX_WHITESPACE,
+    DEFAULT_TOOL_REASONING_CHARS,
     GrammarError,
     GrammarVocab,
     GuidedSpec,
@@ -206,3 +208,59 @@ def test_default_whitespace_cap_in_the_grammar(vocab):
     assert not takes(GuidedSpec(json_schema=schema), '{ "a": 1}')
     assert takes(GuidedSpec(json_schema=schema, max_whitespace=2), '{  "a":1}')
     assert not takes(GuidedSpec(json_schema=schema, max_whitespace=2), '{   "a":1}')
+
+
+THINK = "<|close|>think<|sep|>"
+RESPONSE = "<|open|>response<|sep|>"
+
+
+def test_reasoning_budget_defaults():
+    """A forced call always bounds its reasoning; other grammars only when asked; without
+    reasoning (after_reasoning False) there is nothing to bound."""
+    assert one_tool(S12, after_reasoning=True).max_reasoning_chars == DEFAULT_TOOL_REASONING_CHARS
+    assert one_tool(S12, after_reasoning=True, max_reasoning_chars=None) == one_tool(S12, after_reasoning=True)
+    assert one_tool(S12, after_reasoning=True, max_reasoning_chars=7).max_reasoning_chars == 7
+    assert one_tool(S12, max_reasoning_chars=7).max_reasoning_chars is None
+    assert GuidedSpec(json_object=True, after_reasoning=True).max_reasoning_chars is None
+    assert GuidedSpec(json_object=True, after_reasoning=True, max_reasoning_chars=0).bounds_reasoning
+    params = SamplingParams(guided={"json_object": True, "after_reasoning": True, "max_reasoning_chars": 9})
+    assert params.guided.max_reasoning_chars == 9
+    for bad in (-1, 2.5, True, "9"):
+        with pytest.raises(GrammarError, match="max_reasoning_chars"):
+            one_tool(S12, after_reasoning=True, max_reasoning_chars=bad)
+
+
+def test_forced_call_reasoning_is_bounded(vocab, tok):
+    spec = one_tool(S12, after_reasoning=True, max_reasoning_chars=5)
+    ok = turn(call(arg("q", "string", "cats")))
+    assert accepts(vocab, tok, spec, "héllo" + THINK + RESPONSE + ok)     # characters, not bytes
+    assert accepts(vocab, tok, spec, THINK + RESPONSE + ok)
+    assert not accepts(vocab, tok, spec, "hello!" + THINK + RESPONSE + ok)
+    assert not accepts(vocab, tok, spec, "hi" + RESPONSE + ok)           # think must close
+    assert not accepts(vocab, tok, spec, "hi" + THINK + RESPONSE + "<|close|>response<|sep|>"
+                       "<|close|>message<|sep|>")                        # ...and a call follow
+    m = xgr.GrammarMatcher(compile_guide(spec, vocab).grammar)
+    assert m.accept_string("x" * 5)
+    bm = vocab.allocate_bitmask(1)
+    m.fill_next_token_bitmask(bm, 0)
+    allowed = [t for t in range(vocab.vocab_size) if (int(bm[0, t >> 5]) >> (t & 31)) & 1]
+    assert allowed == [vocab.close_id]                                   # the budget is spent
+
+
+def test_default_budget_in_the_grammar(vocab, tok):
+    spec = one_tool(S12, after_reasoning=True)
+    ok = THINK + RESPONSE + turn(call(arg("q", "string", "cats")))
+    assert accepts(vocab, tok, spec, "a" * DEFAULT_TOOL_REASONING_CHARS + ok)
+    assert not accepts(vocab, tok, spec, "a" * (DEFAULT_TOOL_REASONING_CHARS + 1) + ok)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_json_reasoning_budget(vocab, tok, chat):
+    spec = GuidedSpec(json_object=True, chat=chat, after_reasoning=True, max_reasoning_chars=3)
+    tail = "<|close|>response<|sep|><|close|>message<|sep|>" if chat else ""
+    head = RESPONSE if chat else ""
+    assert accepts(vocab, tok, spec, "abc" + THINK + head + "{}" + tail)
+    assert not accepts(vocab, tok, spec, "abcd" + THINK + head + "{}" + tail)
+    assert compile_guide(spec, vocab).new_state().in_reasoning is False  # no gate: the grammar
+    free = GuidedSpec(json_object=True, chat=chat, after_reasoning=True)
+    assert compile_guide(free, vocab).new_state().in_reasoning is True   # the gate

@@ -3,7 +3,7 @@ correct under speculative decoding and reasoning.
 
 Pieces: `GuidedSpec` (what to match; checked when made), `GrammarVocab` (one tokenizer + model
 vocab size, built once per engine), `GrammarCache` (compiles off the step loop), `GuidedState`
-(one request's matcher + reasoning gate), `apply_masks` (bitmask onto logits).
+(one request's matcher + the gate of unbounded reasoning), `apply_masks` (bitmask onto logits).
 
 How the runtime drives it (the engine's side lives in runtime.py: `GrammarRuntime` holds the
 vocabulary, the cache and the bitmask, `check_guided` refuses a request at submission;
@@ -37,9 +37,14 @@ buffer while a step is in flight.
 """
 
 from k3trt.runtime.structured.cache import CompiledGuide, GrammarCache, compile_guide
-from k3trt.runtime.structured.spec import DEFAULT_MAX_WHITESPACE, GrammarError, GuidedSpec
+from k3trt.runtime.structured.spec import (
+    DEFAULT_MAX_WHITESPACE,
+    DEFAULT_TOOL_REASONING_CHARS,
+    GrammarError,
+    GuidedSpec,
+)
 from k3trt.runtime.structured.state import GuidedState, fill_masks_batch
 from k3trt.runtime.structured.vocab import GrammarVocab, apply_masks, pack, unpack
 
-__all__ = ["DEFAULT_MAX_WHITESPACE", "CompiledGuide", "GrammarCache", "GrammarError", "GrammarVocab", "GuidedSpec",
-           "GuidedState", "apply_masks", "compile_guide", "fill_masks_batch", "pack", "unpack"]
+__all__ = ["DEFAULT_MAX_WHITESPACE", "DEFAULT_TOOL_REASONING_CHARS", "CompiledGuide", "GrammarCache",
+           "GrammarError", "GrammarVocab", "GuidedSpec", "GuidedState", "apply_masks", "compile_guide", "fill_masks_batch", "pack", "unpack"]

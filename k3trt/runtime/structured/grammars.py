@@ -4,7 +4,7 @@ XTML chat frame around them, and the XTML tool-call structural tag.
 XTML markers are always asked for as tokens by id (`vocab.py` makes them unreachable as text), and
 the bodies between them are text grammars, so a marker can neither be skipped nor appear inside a
 value; the fixed text between markers (channel names, headers) is asked for as the tokenizer's own
-ids. A forced tool call leaves the response body empty and allows at most
+ids. A forced tool call bounds its reasoning, leaves the response body empty and allows at most
 `GuidedSpec.tool_call_limit` calls, so it always ends. A tool call (spec/XTML.md):
     <|open|>call tool="NAME" index="N"<|sep|>ARGUMENTS<|close|>call<|sep|>
 ARGUMENTS is one `<|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|>` per
@@ -14,6 +14,11 @@ its raw text (enum / const / pattern / length encoded exactly), any other type's
 checked against the property's schema. Otherwise (unions, $ref, formats, property-count limits,
 no properties) the call holds one `<|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>`
 element checked against the whole schema, which the XTML parser reads the same way.
+
+Bounded reasoning (`GuidedSpec.max_reasoning_chars`): the grammar starts at the first output
+token with at most n characters of reasoning text, then `<|close|>think<|sep|>`; the reasoning
+text cannot hold a marker, so the close the grammar asks for is the one that ends it. Unbounded
+reasoning stays outside the grammar (state.py's gate).
 """
 
 from __future__ import annotations
@@ -108,17 +113,28 @@ def build_grammar(spec: GuidedSpec, vocab: GrammarVocab) -> Any:
     if spec.chat and not vocab.has_markers:
         raise GrammarError("chat", "the tokenizer has no <|open|>/<|close|>/<|sep|> tokens; chat "
                                    "and tool-call grammars need a K3 tokenizer")
-    if spec.tool_choice is not None:
-        return x.Grammar.from_structural_tag(_tool_tag(spec, _Xtml(vocab)))
-    body = _body(spec)
-    if not spec.chat:
-        return body
+    if spec.bounds_reasoning and not vocab.has_markers:
+        raise GrammarError("max_reasoning_chars", "the tokenizer has no <|close|>/<|sep|> tokens; "
+                                                  "bounded reasoning needs a K3 tokenizer")
     m = _Xtml(vocab)
-    parts = []
-    if spec.after_reasoning:  # the prompt opened think: the grammar opens the response
-        parts.append(x.Grammar.from_structural_tag(_tag(m.open("response"))))
-    parts += [body, x.Grammar.from_structural_tag(_tag(m.close("response") + m.close("message")))]
-    return x.Grammar.concat(*parts)
+    if spec.tool_choice is not None:
+        return x.Grammar.from_structural_tag(_tool_tag(spec, m))
+    # the prompt opened think: in chat form the grammar opens the response after it
+    head = _reasoning(spec, m) + (m.open("response") if spec.chat and spec.after_reasoning else [])
+    parts = [x.Grammar.from_structural_tag(_tag(head))] if head else []
+    parts.append(_body(spec))
+    if spec.chat:
+        parts.append(x.Grammar.from_structural_tag(_tag(m.close("response") + m.close("message"))))
+    return parts[0] if len(parts) == 1 else x.Grammar.concat(*parts)
+
+
+def _reasoning(spec: GuidedSpec, m: _Xtml) -> list[Format]:
+    """The bounded reasoning and the close of `think`, or nothing where reasoning is free."""
+    if not spec.bounds_reasoning:
+        return []
+    n = spec.max_reasoning_chars
+    text = [{"type": "regex", "pattern": f"[\\s\\S]{{0,{n}}}"}] if n else []
+    return text + m.close("think")
 
 
 # ---- tool calls ---------------------------------------------------------------------------------
@@ -126,7 +142,7 @@ def _tool_tag(spec: GuidedSpec, m: _Xtml) -> str:
     calls = _any_of([_call(tool, m, spec) for tool in spec.tool_list()])
     if spec.tool_call_limit > 1:
         calls = {"type": "repeat", "min": 1, "max": spec.tool_call_limit, "content": calls}
-    head = m.open("response") if spec.after_reasoning else []
+    head = _reasoning(spec, m) + (m.open("response") if spec.after_reasoning else [])
     # the response body is empty: free text there is unbounded, and a model that never closes it
     # never reaches the call the request forces (OpenAI's forced calls carry no content either)
     return _tag(head + m.close("response") + m.open("tools") + [calls] + m.close("tools")

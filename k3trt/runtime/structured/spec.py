@@ -8,9 +8,17 @@ Around it:
 - `chat`: the output is a K3 assistant turn; the grammar's text is the body of its `response`
   channel, and the grammar also generates the turn's closing markers
   (`<|close|>response<|sep|><|close|>message<|sep|>`), then eos. Tool calling is always chat.
-- `after_reasoning`: the prompt ends inside the `think` channel (thinking on): reasoning is free,
-  the grammar starts right after `<|close|>think<|sep|>`, and in chat form it begins by opening
-  the response channel (`<|open|>response<|sep|>`), as the chat template's turns do.
+- `after_reasoning`: the prompt ends inside the `think` channel (thinking on): the output first
+  reasons, then closes `think` (`<|close|>think<|sep|>`); the grammar's body follows, and in chat
+  form it begins by opening the response channel (`<|open|>response<|sep|>`), as the chat
+  template's turns do.
+- `max_reasoning_chars` (with `after_reasoning`): the grammar bounds the reasoning to at most n
+  characters, then requires the `think` close and the body; None leaves reasoning free (a gate
+  outside the grammar waits for the close). Characters, not tokens: a grammar sees text, and every
+  reasoning token carries at least one byte, so n characters are at most n tokens of ASCII text
+  and at most 4n of any text (a character split over byte tokens). A forced tool call must end,
+  so its reasoning is always bounded: None there is `DEFAULT_TOOL_REASONING_CHARS`. Without
+  `after_reasoning` there is no reasoning and the field is stored as None.
 - `max_whitespace` (JSON): at most n whitespace characters in a row; 0 is xgrammar's fixed layout
   (in tool arguments: at most 1). The default, `DEFAULT_MAX_WHITESPACE`, is the fixed layout: JSON
   allows any whitespace, and a sampled model left free to pad its output runs to `max_tokens`
@@ -31,6 +39,7 @@ from k3trt.runtime.params import RequestError
 from k3trt.runtime.structured.vocab import xgr
 
 DEFAULT_MAX_WHITESPACE = 0
+DEFAULT_TOOL_REASONING_CHARS = 4096   # about a thousand tokens of English reasoning
 _MODES = ("json_schema", "json_object", "regex", "grammar", "tool_choice")
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*"          # [time] file.cc:123:
                          r"(?:Warning:\s*)?(?:Check failed:.*? is false:\s*)?")
@@ -107,10 +116,15 @@ class GuidedSpec:
     chat: bool = False
     after_reasoning: bool = False
     max_whitespace: int | None = DEFAULT_MAX_WHITESPACE   # None: the default
+    max_reasoning_chars: int | None = None   # None: free, or the default for a forced tool call
 
     def __post_init__(self) -> None:
         if self.max_whitespace is None:  # one cache key for "not configured" and the default
             object.__setattr__(self, "max_whitespace", DEFAULT_MAX_WHITESPACE)
+        if self.after_reasoning is not True:   # no reasoning to bound (one cache key)
+            object.__setattr__(self, "max_reasoning_chars", None)
+        elif self.max_reasoning_chars is None and self.tool_choice is not None:
+            object.__setattr__(self, "max_reasoning_chars", DEFAULT_TOOL_REASONING_CHARS)
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _json_text(self.json_schema, "json_schema"))
         if isinstance(self.tools, (str, Mapping)):
@@ -142,6 +156,11 @@ class GuidedSpec:
         return [t for t in tools if t["name"] == self.tool_choice]
 
     @property
+    def bounds_reasoning(self) -> bool:
+        """The grammar covers the reasoning (bounded) as well as what follows it."""
+        return self.max_reasoning_chars is not None
+
+    @property
     def tool_call_limit(self) -> int:
         """How many calls the grammar allows: 1 without parallel calls, else `max_tool_calls`, by
         default as many as there are tools to choose from. A forced call must end, so the count
@@ -168,6 +187,9 @@ class GuidedSpec:
         if not isinstance(mw, int) or isinstance(mw, bool) or mw < 0:
             raise GrammarError("max_whitespace", f"must be an integer >= 0 (None: the default "
                                                  f"{DEFAULT_MAX_WHITESPACE}), got {mw!r}")
+        mr = self.max_reasoning_chars
+        if mr is not None and (not isinstance(mr, int) or isinstance(mr, bool) or mr < 0):
+            raise GrammarError("max_reasoning_chars", f"must be None or an integer >= 0, got {mr!r}")
         x = xgr()
         if self.json_schema is not None:
             _check_schema(self.json_schema, "json_schema")
@@ -199,7 +221,7 @@ class GuidedSpec:
                              **kw: Any) -> "GuidedSpec | None":
         """OpenAI `response_format`: {"type": "text"} -> None; {"type": "json_object"};
         {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}. `kw`: chat,
-        after_reasoning, max_whitespace."""
+        after_reasoning, max_whitespace, max_reasoning_chars."""
         if not response_format:
             return None
         kind = response_format.get("type")

@@ -10,8 +10,8 @@ Per step (see the package doc for the full sequence):
 - `commit(tokens)` advances by the tokens actually accepted and returns how many it consumed: all
   of them, or fewer when the grammar ended (eos accepted) inside the block.
 
-The reasoning gate (`after_reasoning`): until the output has closed its think channel, tokens are
-free (anything but eos) and do not reach the matcher. The gate opens after the `<|sep|>` token of
+The reasoning gate (`after_reasoning` with unbounded reasoning; a bounded one is part of the
+grammar, grammars.py): until the output has closed its think channel, tokens are free (anything but eos) and do not reach the matcher. The gate opens after the `<|sep|>` token of
 a `<|close|>` `think` `<|sep|>` marker (whitespace around the name allowed, as the XTML parser
 allows); the marker may fall anywhere inside a draft or an accepted block. The gate is a small
 immutable value, so a mask fill walks copies of it and never has to undo anything.
@@ -44,7 +44,8 @@ class GuidedState:
         self.guide = guide
         self.vocab = guide.vocab
         self._matcher = xgr().GrammarMatcher(guide.grammar)
-        self._gate0: Gate = _CLOSED if guide.spec.after_reasoning else None
+        spec = guide.spec
+        self._gate0: Gate = _CLOSED if spec.after_reasoning and not spec.bounds_reasoning else None
         self._gate: Gate = self._gate0
         self._terminated = False
         self.num_committed = 0       # tokens committed (reasoning included)
