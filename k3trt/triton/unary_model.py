@@ -6,9 +6,8 @@ stream. This model is not decoupled; it forwards each request to the engine mode
 (`stream` forced false, so the engine answers with exactly one final response) and returns that
 response or its error unchanged. It loads no engine and imports neither torch nor the runtime.
 `execute` waits only until the engine model has taken or refused the request (it asks, with the
-request parameter ACK_PARAMETER, for an empty response once taken): a refusal is answered and
-raised there, so Triton counts it as this model's failure too (nv_inference_request_failure counts
-only what `execute` raises). A taken request then waits on its own thread, so requests stay
+request parameter ACK_PARAMETER, for an empty response once taken): a refusal is answered there
+and counted as this model's failure too (nv_inference_request_failure); see `execute` for how. A taken request then waits on its own thread, so requests stay
 concurrent (a non-decoupled Python model may answer through the response sender since Triton 23.10).
 """
 
@@ -37,7 +36,13 @@ class UnaryModel:
         self.name = json.loads(args["model_config"])["name"]
         log.info("k3trt unary front %s ready: forwards to %s", self.name, self.target)
 
-    def execute(self, requests: list) -> None:
+    def execute(self, requests: list) -> list | None:
+        """Triton counts a request as failed only when `execute` fails, and a non-decoupled model may
+        not simply raise: the backend would answer the request again with an INTERNAL error (a 500)
+        and free its response factory twice (a crash). So a refusal is sent through the response
+        sender (the client gets the INVALID_ARG, a 400) and a response for it is also returned: the
+        stub then finds the request's sender closed, fails `execute` while marking the factory as
+        freed, and the backend counts the failure and answers nothing more (the request is closed)."""
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -50,8 +55,8 @@ class UnaryModel:
             if first is not None and first.has_error():
                 msg = first.error().message()
                 self._error(sender, msg)
-                if len(requests) == 1:       # counted as a failed request (see the module's docstring)
-                    raise self.pb.TritonModelException(msg)
+                if len(requests) == 1:       # counted as failed (see above)
+                    return [self._error_response(msg)]
                 continue
             threading.Thread(target=self._finish, args=(first, responses, sender), name="k3trt-unary",
                              daemon=True).start()
@@ -87,11 +92,12 @@ class UnaryModel:
             log.exception("forwarding to %s failed", self.target)
             self._error(sender, f"{ERROR_PREFIX['INTERNAL']}{type(e).__name__}: {e}")
 
+    def _error_response(self, msg: str) -> Any:
+        """An error response; the code is lost across BLS, so it is read back from the message."""
+        return self.pb.InferenceResponse(error=self.pb.TritonError(msg, getattr(self.pb.TritonError, error_kind(msg))))
+
     def _error(self, sender: Any, msg: str) -> None:
-        """A final error response; the code is lost across BLS, so it is read back from the message."""
-        pb = self.pb
         try:
-            error = pb.TritonError(msg, getattr(pb.TritonError, error_kind(msg)))
-            sender.send(pb.InferenceResponse(error=error), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(self._error_response(msg), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:
             log.warning("could not deliver the error %r", msg, exc_info=True)
