@@ -8,8 +8,9 @@ A request's life mirrors the OpenAI server's (serve.app.Run: submit, read output
 abort on close): checked in `execute` (a refusal raised, naming the input) → rendered, tokenized
 and its grammar compiled (in `execute` for a small prompt; for a large one on the event loop, the
 tokenizing in a prompt worker process as the OpenAI server does, so one huge prompt does not hold
-up the intake of others) → admit → stream responses → the final one flagged COMPLETE_FINAL. A client that cancels is noticed by
-polling the response sender; the request is aborted at once, which frees its cache blocks.
+up the intake of others) → admit → stream responses → the final one flagged COMPLETE_FINAL. A
+client that cancels is noticed by polling the response sender; the request is aborted at once,
+which frees its cache blocks.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def _wants_ack(request: Any) -> bool:
 
 def _spawn_with_python() -> None:
     """Prompt workers are spawned processes: inside Triton's stub, sys.executable may be the stub
-    binary rather than a Python, so the environment's own python3 is named."""
+    binary rather than a Python, so the environment's own python3 is named (a process-wide
+    setting: the stub process holds this one model instance only)."""
     exe = Path(sys.executable)
     if not exe.name.startswith("python"):
         candidate = Path(sys.exec_prefix) / "bin" / "python3"
