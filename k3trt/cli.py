@@ -192,8 +192,12 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--python-env", "execution_env", type=click.Path(file_okay=False), default=None,
               help="environment for Triton's Python stub (EXECUTION_ENV_PATH); see README")
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=None,
+              help="characters of prompt text (messages, tools, text_input) past which a request is refused "
+                   "before it is tokenized (default 1,000,000)")
 @click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
-def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, speculative) -> None:
+def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, max_prompt_chars,
+                    speculative) -> None:
     """Write a Triton Inference Server model repository serving ENGINE_DIR."""
     from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
     from k3trt.triton import triton_repo_main  # noqa: PLC0415 (optional: serve extras)
@@ -202,7 +206,7 @@ def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_
         backend = read_engine_dir(engine_dir, verify_checksums=False).backend
         device = _engine_device(backend, device)
         path = triton_repo_main(engine_dir, output, instances, max_batch, device=device,
-                                execution_env=execution_env, **opts)
+                                execution_env=execution_env, max_prompt_chars=max_prompt_chars, **opts)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path.parent))
@@ -219,9 +223,12 @@ def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="live requests per instance")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--max-prompt-chars", type=click.IntRange(min=1), default=None,
+              help="characters of prompt text (messages, tools, text_input) past which a request is refused "
+                   "before it is tokenized (default 1,000,000)")
 @click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
 def triton_serve_cmd(engine_dir, host, http_port, grpc_port, metrics_port, repo, instances, max_batch, device,
-                     speculative) -> None:
+                     max_prompt_chars, speculative) -> None:
     """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C. The first run installs the
     tritonserver of nvidia-pytriton and a numpy<2 environment for its Python stub (cached under
     ~/.cache/k3trt/triton; the k3trt environment is not touched)."""
@@ -232,7 +239,7 @@ def triton_serve_cmd(engine_dir, host, http_port, grpc_port, metrics_port, repo,
         device = _engine_device(read_engine_dir(engine_dir, verify_checksums=False).backend, device)
         code = triton_serve_main(engine_dir, repo=repo, host=host, http_port=http_port, grpc_port=grpc_port,
                                  metrics_port=metrics_port, instances=instances, max_batch=max_batch,
-                                 device=device, **opts)
+                                 device=device, max_prompt_chars=max_prompt_chars, **opts)
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)

@@ -5,31 +5,40 @@ thread; an asyncio loop on a second thread serves the requests. `execute` only r
 request's tensors and hands it to that loop, so it returns at once and the instance keeps taking
 requests while others generate (continuous batching happens in the runtime, not in Triton).
 A request's life mirrors the OpenAI server's (serve.app.Run: submit, read outputs, stop strings,
-abort on close): parse and grammar in `execute` (a refusal raised, naming the input) → admit →
-stream responses → the final one flagged COMPLETE_FINAL. A client that cancels is noticed by
-polling the response sender; the request is aborted at once, which frees its cache blocks.
+abort on close): checked in `execute` (a refusal raised, naming the input) → rendered, tokenized
+and its grammar compiled (in `execute` for a small prompt; for a large one on the event loop, the
+tokenizing in a prompt worker process as the OpenAI server does, so one huge prompt does not hold
+up the intake of others) → admit → stream responses → the final one flagged COMPLETE_FINAL. A
+client that cancels is noticed by polling the response sender; the request is aborted at once,
+which frees its cache blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import multiprocessing
+import sys
 import threading
 import types
 import uuid
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 from k3trt.runtime.xtml import DeltaKind
 from k3trt.serve import metrics
 from k3trt.serve.app import Run
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.runtime.params import RequestError
+from k3trt.serve.guided import compile_guided
+from k3trt.serve.prompts import LARGE_PROMPT_CHARS, PromptWorkers
 from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS, APIError, bad
 from k3trt.triton.metrics import TritonMetrics, forward_logs, output_tensors
-from k3trt.triton.requests import Job, parse
-from k3trt.triton.schema import ERROR_PREFIX
+from k3trt.triton.requests import Checked, Job, check, plan, prompt_bytes
+from k3trt.triton.schema import ACK_PARAMETER, ERROR_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,8 @@ class EngineModel:
         self.llm = LLM(params["engine_dir"], device=device, **json.loads(params.get("engine_options") or "{}"))
         if self.llm.tokenizer is None:
             raise RuntimeError(f"{params['engine_dir']}: the engine dir has no tokenizer; Triton serving needs one")
+        _spawn_with_python()
+        self.prompts = PromptWorkers(self.llm.tokenizer)
         self.engine = EngineLoop(self.llm, max_pending=self.llm.config.max_batch + int(params.get("max_queue", 256)))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="k3trt-triton", daemon=True)
@@ -68,50 +79,66 @@ class EngineModel:
 
     # ---- stub thread ----------------------------------------------------------------------------
     def execute(self, requests: list) -> None:
-        """Each request is read, validated and tokenized here, and its grammar compiled, before it is
-        handed to the event loop. A refused request gets its INVALID_ARG error response (a 400) here;
-        Triton counts a request as failed (nv_inference_request_failure) only when `execute` raises
-        (an error response counts as a success), so `execute` then raises too when the request is
-        alone in its batch (always: the model has no dynamic batching). The raised error reaches no
-        client: the request's final response has gone out already."""
+        """Each request is read and validated here; a small one is also tokenized and its grammar
+        compiled here, before it is handed to the event loop. A refused request gets its INVALID_ARG
+        error response (a 400) here; Triton counts a request as failed (nv_inference_request_failure)
+        only when `execute` raises (an error response counts as a success), so `execute` then raises
+        too when the request is alone in its batch (always: the model has no dynamic batching). The
+        raised error reaches no client: the request's final response has gone out already. What a
+        large prompt's tokenizing refuses (a prompt longer than the model takes) is answered later,
+        from the event loop, and so is not counted. A caller that sets the request parameter
+        ACK_PARAMETER (the unary front) gets an empty non-final response once its request is taken."""
         for request in requests:
             sender = _Sender(request.get_response_sender(), self.pb)
             rid = f"{self.name}-{request.request_id() or uuid.uuid4().hex[:12]}-{uuid.uuid4().hex[:8]}"
             try:
-                job, params = self._prepare(request)
+                raw = self._inputs(request)
+                checked = self._check(raw)
+                size = prompt_bytes(raw)
+                job, params = (None, []) if size >= LARGE_PROMPT_CHARS else self._prepare_now(checked)
             except _Refused as e:
                 sender.error(e.kind, e.message)
                 if len(requests) == 1:
                     raise self.pb.TritonModelException(ERROR_PREFIX[e.kind] + e.message)
                 continue
-            asyncio.run_coroutine_threadsafe(self._serve(rid, sender, job, params), self.loop)
+            if _wants_ack(request):
+                sender.ack()
+            asyncio.run_coroutine_threadsafe(self._serve(rid, sender, checked, size, job, params), self.loop)
         return None
 
-    def _prepare(self, request: Any) -> tuple[Job, list]:
+    def _inputs(self, request: Any) -> dict:
         try:
-            raw = {t.name(): t.as_numpy() for t in request.inputs()}
+            return {t.name(): t.as_numpy() for t in request.inputs()}
         except Exception as e:            # tensors the stub cannot read: refuse this request only
             log.exception("reading the inputs of request %r failed", request.request_id())
             raise _Refused("INVALID_ARG", f"could not read the inputs: {e}") from None
-        llm = self.llm
-        try:
-            job = parse(raw, llm.tokenizer, model=self.name, max_model_len=llm.max_model_len,
-                        vocab_size=llm.vocab_size, json_max_whitespace=self.json_max_whitespace,
-                        max_prompt_chars=self.max_prompt_chars)
-            for spec in job.submission.checks:
-                _compiled(llm, spec)
-            params = list(job.submission.params)
-            if job.submission.guided is not None:     # compiled here: a grammar xgrammar refuses is a 400
-                _compiled(llm, job.submission.guided[0])
-                params = [dataclasses.replace(p, guided=job.submission.guided[0]) for p in params]
-        except APIError as e:
-            where = f"{e.param}: " if e.param and not e.message.startswith(e.param) else ""
-            raise _Refused("INVALID_ARG", where + e.message) from None
-        return job, params
+
+    def _check(self, raw: dict) -> Checked:
+        with _refusal():
+            return check(raw, model=self.name, max_prompt_chars=self.max_prompt_chars)
+
+    def _plan_kw(self) -> dict[str, Any]:
+        return {"max_model_len": self.llm.max_model_len, "vocab_size": self.llm.vocab_size,
+                "json_max_whitespace": self.json_max_whitespace}
+
+    def _prepare_now(self, checked: Checked) -> tuple[Job, list]:
+        with _refusal():
+            job = plan(checked, self.llm.tokenizer, **self._plan_kw())
+            for spec in _grammars(job):
+                _compiled(self.llm, spec)
+        return job, _with_grammar(job)
+
+    async def _prepare_later(self, checked: Checked, size: int) -> tuple[Job, list]:
+        with _refusal():
+            job = await self.prompts.plan(plan, size, checked, self.llm.tokenizer, **self._plan_kw())
+            for spec in _grammars(job):
+                await compile_guided(self.llm, spec)
+        return job, _with_grammar(job)
 
     def finalize(self) -> None:
         self._metrics_task.cancel()
         self.engine.stop()                    # aborts what is in flight
+        self.prompts.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.metrics.close()
@@ -119,14 +146,20 @@ class EngineModel:
         log.info("k3trt model %s stopped", self.instance)
 
     # ---- event loop -----------------------------------------------------------------------------
-    async def _serve(self, rid: str, sender: "_Sender", job: Job, params: list) -> None:
+    async def _serve(self, rid: str, sender: "_Sender", checked: Checked, size: int, job: Job | None,
+                     params: list) -> None:
         run, admitted = None, False
         try:
+            if job is None:
+                job, params = await self._prepare_later(checked, size)
             self.engine.admit(len(params))
             admitted = True
             # Run needs only .engine and .llm of the server's state
             run = Run(types.SimpleNamespace(engine=self.engine, llm=self.llm), job.submission, params, rid)
             await self._respond(run, job, sender, rid)
+        except _Refused as e:
+            log.info("request %s refused: %s", rid, e.message)
+            sender.error(e.kind, e.message)
         except Overloaded as e:
             sender.error("UNAVAILABLE", f"{e}; retry later")
         except Exception as e:
@@ -193,6 +226,47 @@ class _Refused(Exception):
         self.kind, self.message = kind, message
 
 
+@contextlib.contextmanager
+def _refusal() -> Iterator[None]:
+    """An APIError raised inside becomes a refusal naming the input (INVALID_ARG)."""
+    try:
+        yield
+    except APIError as e:
+        where = f"{e.param}: " if e.param and not e.message.startswith(e.param) else ""
+        raise _Refused("INVALID_ARG", where + e.message) from None
+
+
+def _grammars(job: Job) -> list:
+    """The grammars to compile before admitting (a grammar xgrammar refuses is a 400)."""
+    sub = job.submission
+    return [*sub.checks, *([sub.guided[0]] if sub.guided is not None else [])]
+
+
+def _with_grammar(job: Job) -> list:
+    params = list(job.submission.params)
+    if job.submission.guided is not None:
+        params = [dataclasses.replace(p, guided=job.submission.guided[0]) for p in params]
+    return params
+
+
+def _wants_ack(request: Any) -> bool:
+    try:
+        return bool(json.loads(request.parameters() or "{}").get(ACK_PARAMETER))
+    except (AttributeError, ValueError):
+        return False
+
+
+def _spawn_with_python() -> None:
+    """Prompt workers are spawned processes: inside Triton's stub, sys.executable may be the stub
+    binary rather than a Python, so the environment's own python3 is named (a process-wide
+    setting: the stub process holds this one model instance only)."""
+    exe = Path(sys.executable)
+    if not exe.name.startswith("python"):
+        candidate = Path(sys.exec_prefix) / "bin" / "python3"
+        if candidate.is_file():
+            multiprocessing.set_executable(str(candidate))
+
+
 def _compiled(llm: Any, spec: Any) -> None:
     """Compile `spec` in the engine's grammar cache, waiting for it; a refused grammar is an APIError."""
     try:
@@ -216,6 +290,11 @@ class _Sender:
 
     def cancelled(self) -> bool:
         return not self.done and self.sender.is_cancelled()
+
+    def ack(self) -> None:
+        """An empty non-final response: the request was taken (the unary front waits for it)."""
+        if not self.done:
+            self.sender.send(self.pb.InferenceResponse(output_tensors=[]), flags=0)
 
     def send(self, fields: dict[str, Any], final: bool = False) -> None:
         if self.done:

@@ -42,20 +42,24 @@ def write_model_repository(engine_dir: str | Path, output: str | Path, *, instan
                            gpus: Sequence[int] | None = None, unary: bool = True,
                            python_path: str | None = None, execution_env: str | Path | None = None,
                            engine_options: dict[str, Any] | None = None, max_queue: int = 256,
-                           torch_threads: int = 0, json_max_whitespace: int | None = None) -> Path:
+                           torch_threads: int = 0, json_max_whitespace: int | None = None,
+                           max_prompt_chars: int | None = None) -> Path:
     """Write (or rewrite) the models for `engine_dir` into the repository `output`; returns the
     engine model's directory. `instances` engine copies per GPU (device auto/cuda) or in all
     (cpu); `max_batch` live requests per instance (default: the build's); `python_path=""`
     relies on the stub's environment to provide k3trt; `engine_options` go to LLM(...) (e.g.
     speculative="ngram"); `json_max_whitespace` caps whitespace runs in guided JSON (as
-    `k3trt serve`); `torch_threads` > 0 sets torch's CPU threads per instance."""
+    `k3trt serve`); `max_prompt_chars` refuses a request whose prompt text (messages, tools,
+    text_input) is longer, before it is tokenized (as `k3trt serve`; default
+    DEFAULT_MAX_PROMPT_CHARS); `torch_threads` > 0 sets torch's CPU threads per instance."""
     engine = Path(engine_dir).resolve()
     cfg_file = engine / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{engine_dir}: not a k3trt engine dir (no config.json); build one with `k3trt build`")
-    if instances < 1 or (max_batch is not None and max_batch < 1) or max_queue < 0:
-        raise ValueError(f"instances and max_batch must be >= 1 and max_queue >= 0, got "
-                         f"{instances}, {max_batch}, {max_queue}")
+    if instances < 1 or (max_batch is not None and max_batch < 1) or max_queue < 0 or \
+            (max_prompt_chars is not None and max_prompt_chars < 1):
+        raise ValueError(f"instances, max_batch and max_prompt_chars must be >= 1 and max_queue >= 0, got "
+                         f"{instances}, {max_batch}, {max_prompt_chars}, {max_queue}")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if gpus is not None and device == "cpu":
@@ -69,7 +73,8 @@ def write_model_repository(engine_dir: str | Path, output: str | Path, *, instan
     repo = Path(output)
     engine_params = {ROLE_KEY: "engine", "engine_dir": str(engine), "engine_options": json.dumps(options),
                      "max_queue": str(max_queue), "torch_threads": str(torch_threads),
-                     "json_max_whitespace": "" if json_max_whitespace is None else str(json_max_whitespace), **common}
+                     "json_max_whitespace": "" if json_max_whitespace is None else str(json_max_whitespace),
+                     "max_prompt_chars": "" if max_prompt_chars is None else str(max_prompt_chars), **common}
     _write_model(repo, model_name, engine_params, _instance_group(instances, device, gpus), decoupled=True)
     if unary:
         _write_model(repo, f"{model_name}_unary", {ROLE_KEY: "unary", "target_model": model_name, **common},

@@ -26,6 +26,7 @@ from k3trt.serve.protocol import MAX_DEPTH, APIError, ChatRequest, CompletionReq
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "speculative")
 CHAT_ONLY = ("tools", "tool_choice", "thinking")
+PROMPT_INPUTS = ("text_input", "messages", "tools")
 RENAME = {"prompt": "text_input", "chat_template_kwargs": "thinking", "max_completion_tokens": "max_tokens"}
 
 
@@ -35,9 +36,32 @@ class Job:
     stream: bool
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A request read and validated, not yet rendered or tokenized (what may run in a worker process)."""
+    request: Any                      # ChatRequest or CompletionRequest
+    chat: bool
+    regex: str | None                 # guided_regex: swapped in for the json_object placeholder
+    stream: bool
+
+
 def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_model_len: int, vocab_size: int,
           json_max_whitespace: int | None = None, max_prompt_chars: int | None = None) -> Job:
     """A Job for the tensors `raw` (input name -> array); APIError (400, naming the input) if refused."""
+    return plan(check(raw, model=model, max_prompt_chars=max_prompt_chars), tokenizer, max_model_len=max_model_len,
+                vocab_size=vocab_size, json_max_whitespace=json_max_whitespace)
+
+
+def prompt_bytes(raw: Mapping[str, np.ndarray]) -> int:
+    """Bytes of the inputs a prompt is rendered from: a bound on its characters, known before decoding."""
+    return sum(int(getattr(raw[k], "nbytes", 0)) if raw[k].dtype != object else
+               sum(len(v) for v in raw[k].reshape(-1) if isinstance(v, (bytes, str)))
+               for k in PROMPT_INPUTS if k in raw)
+
+
+def check(raw: Mapping[str, np.ndarray], *, model: str, max_prompt_chars: int | None = None) -> Checked:
+    """Everything `parse` refuses before rendering the prompt: cheap (JSON decoding and the schema),
+    also for a maximal prompt; APIError (400, naming the input) if refused."""
     one = _Reader(raw)
     text, messages = one("text_input"), one("messages")
     if (text is None) == (messages is None):
@@ -53,7 +77,7 @@ def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_mode
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "guided_json", "schema": _json(schema, "guided_json")}}
     elif regex is not None:
-        body["response_format"] = {"type": "json_object"}      # a placeholder: swapped for the regex below
+        body["response_format"] = {"type": "json_object"}      # a placeholder: swapped for the regex in `plan`
     try:
         if messages is not None:
             body["messages"] = _json(messages, "messages")
@@ -64,20 +88,32 @@ def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_mode
                     {"type": "function", "function": {"name": choice}}
             if (thinking := one("thinking")) is not None:
                 body["chat_template_kwargs"] = {"thinking": thinking}
-            sub = chat_submission(validate(ChatRequest, body, max_prompt_chars), tokenizer, max_model_len=max_model_len,
-                             json_max_whitespace=json_max_whitespace)
-        else:
-            given = [k for k in CHAT_ONLY if k in raw]
-            if given:
-                raise bad(given[0], f"{given[0]} needs messages (chat), not text_input")
-            sub = completion_submission(validate(CompletionRequest, {**body, "prompt": text}, max_prompt_chars), tokenizer,
-                                        vocab_size=vocab_size, max_model_len=max_model_len,
-                                        json_max_whitespace=json_max_whitespace)
+            return Checked(validate(ChatRequest, body, max_prompt_chars), True, regex, bool(one("stream")))
+        given = [k for k in CHAT_ONLY if k in raw]
+        if given:
+            raise bad(given[0], f"{given[0]} needs messages (chat), not text_input")
+        return Checked(validate(CompletionRequest, {**body, "prompt": text}, max_prompt_chars), False, regex,
+                       bool(one("stream")))
     except APIError as e:
         raise _renamed(e, "guided_json" if regex is None else "guided_regex") from None
-    if regex is not None:
-        sub = dataclasses.replace(sub, guided=tuple(_with_regex(spec, regex) for spec in sub.guided))
-    return Job(sub, bool(one("stream")))
+
+
+def plan(checked: Checked, tokenizer: Any, *, max_model_len: int, vocab_size: int,
+         json_max_whitespace: int | None = None) -> Job:
+    """Render and tokenize a checked request (the slow part: a worker process runs it for a large
+    prompt); APIError (400, naming the input) if refused."""
+    try:
+        if checked.chat:
+            sub = chat_submission(checked.request, tokenizer, max_model_len=max_model_len,
+                                  json_max_whitespace=json_max_whitespace)
+        else:
+            sub = completion_submission(checked.request, tokenizer, vocab_size=vocab_size,
+                                        max_model_len=max_model_len, json_max_whitespace=json_max_whitespace)
+    except APIError as e:
+        raise _renamed(e, "guided_json" if checked.regex is None else "guided_regex") from None
+    if checked.regex is not None:
+        sub = dataclasses.replace(sub, guided=tuple(_with_regex(spec, checked.regex) for spec in sub.guided))
+    return Job(sub, checked.stream)
 
 
 class _Reader:

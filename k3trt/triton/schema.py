@@ -59,6 +59,8 @@ INPUT_NAMES = frozenset(t.name for t in INPUTS)
 
 # Error responses start with the kind of error. Triton 2.51 keeps no error code across BLS (the
 # unary front receives every error as INTERNAL), so the front reads the kind back from this prefix.
+# a request parameter: the engine model answers an empty non-final response once it has taken the request
+ACK_PARAMETER = "k3trt_ack"
 ERROR_PREFIX = {"INVALID_ARG": "invalid request: ", "UNAVAILABLE": "busy: ", "CANCELLED": "cancelled: ",
                 "INTERNAL": "internal error: "}
 

@@ -5,12 +5,15 @@ support models with decoupled transaction policy"), and the engine model must be
 stream. This model is not decoupled; it forwards each request to the engine model with BLS
 (`stream` forced false, so the engine answers with exactly one final response) and returns that
 response or its error unchanged. It loads no engine and imports neither torch nor the runtime.
-Each request waits on its own thread, so `execute` returns at once and requests stay concurrent
-(a non-decoupled Python model may answer through the response sender since Triton 23.10).
+`execute` waits only until the engine model has taken or refused the request (it asks, with the
+request parameter ACK_PARAMETER, for an empty response once taken): a refusal is answered there
+and counted as this model's failure too (nv_inference_request_failure); see `execute` for how. A taken request then waits on its own thread, so requests stay
+concurrent (a non-decoupled Python model may answer through the response sender since Triton 23.10).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -19,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from k3trt.triton.metrics import forward_logs
-from k3trt.triton.schema import ERROR_PREFIX, OUTPUTS, error_kind
+from k3trt.triton.schema import ACK_PARAMETER, ERROR_PREFIX, OUTPUTS, error_kind
 
 log = logging.getLogger(__name__)
 
@@ -33,28 +36,52 @@ class UnaryModel:
         self.name = json.loads(args["model_config"])["name"]
         log.info("k3trt unary front %s ready: forwards to %s", self.name, self.target)
 
-    def execute(self, requests: list) -> None:
+    def execute(self, requests: list) -> list | None:
+        """Triton counts a request as failed only when `execute` fails, and a non-decoupled model may
+        not simply raise: the backend would answer the request again with an INTERNAL error (a 500)
+        and free its response factory twice (a crash). So a refusal is sent through the response
+        sender (the client gets the INVALID_ARG, a 400) and a response for it is also returned: the
+        stub then finds the request's sender closed, fails `execute` while marking the factory as
+        freed, and the backend counts the failure and answers nothing more (the request is closed)."""
         for request in requests:
             sender = request.get_response_sender()
-            threading.Thread(target=self._forward, args=(request, sender), name="k3trt-unary", daemon=True).start()
+            try:
+                responses = iter(self._send(request))
+                first = next(responses, None)
+            except Exception as e:
+                log.exception("forwarding to %s failed", self.target)
+                self._error(sender, f"{ERROR_PREFIX['INTERNAL']}{type(e).__name__}: {e}")
+                continue
+            if first is not None and first.has_error():
+                msg = first.error().message()
+                self._error(sender, msg)
+                if len(requests) == 1:       # counted as failed (see above)
+                    return [self._error_response(msg)]
+                continue
+            threading.Thread(target=self._finish, args=(first, responses, sender), name="k3trt-unary",
+                             daemon=True).start()
         return None
 
     def finalize(self) -> None:
         pass
 
-    def _forward(self, request: Any, sender: Any) -> None:
+    def _send(self, request: Any) -> Any:
+        """The engine model's responses to `request`, sent as one non-streaming request."""
+        pb = self.pb
+        inputs = [t for t in request.inputs() if t.name() != "stream"]
+        inputs.append(pb.Tensor("stream", np.array([False])))
+        wanted = request.requested_output_names() or [t.name for t in OUTPUTS]
+        bls = pb.InferenceRequest(model_name=self.target, requested_output_names=list(wanted), inputs=inputs,
+                                  parameters={ACK_PARAMETER: True})
+        return bls.exec(decoupled=True)
+
+    def _finish(self, first: Any, responses: Any, sender: Any) -> None:
         pb, final = self.pb, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            inputs = [t for t in request.inputs() if t.name() != "stream"]
-            inputs.append(pb.Tensor("stream", np.array([False])))
-            wanted = request.requested_output_names() or [t.name for t in OUTPUTS]
-            bls = pb.InferenceRequest(model_name=self.target, requested_output_names=list(wanted), inputs=inputs)
             answer = None
-            for response in bls.exec(decoupled=True):
+            for response in itertools.chain([first] if first is not None else [], responses):
                 if response.has_error():
-                    msg = response.error().message()     # the code is lost across BLS: read it back
-                    error = pb.TritonError(msg, getattr(pb.TritonError, error_kind(msg)))
-                    sender.send(pb.InferenceResponse(error=error), flags=final)
+                    self._error(sender, response.error().message())
                     return
                 if response.output_tensors():
                     answer = response
@@ -63,9 +90,14 @@ class UnaryModel:
             sender.send(pb.InferenceResponse(output_tensors=answer.output_tensors()), flags=final)
         except Exception as e:
             log.exception("forwarding to %s failed", self.target)
-            try:
-                error = pb.TritonError(f"{ERROR_PREFIX['INTERNAL']}{type(e).__name__}: {e}", pb.TritonError.INTERNAL)
-                sender.send(pb.InferenceResponse(error=error), flags=final)
-            except Exception:
-                log.warning("could not deliver the error", exc_info=True)
+            self._error(sender, f"{ERROR_PREFIX['INTERNAL']}{type(e).__name__}: {e}")
 
+    def _error_response(self, msg: str) -> Any:
+        """An error response; the code is lost across BLS, so it is read back from the message."""
+        return self.pb.InferenceResponse(error=self.pb.TritonError(msg, getattr(self.pb.TritonError, error_kind(msg))))
+
+    def _error(self, sender: Any, msg: str) -> None:
+        try:
+            sender.send(self._error_response(msg), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            log.warning("could not deliver the error %r", msg, exc_info=True)

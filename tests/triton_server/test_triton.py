@@ -33,6 +33,7 @@ from tritonclient.grpc import model_config_pb2  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from k3trt.runtime.params import SamplingParams  # noqa: E402
+from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS  # noqa: E402
 from k3trt.triton import launch, write_model_repository  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
@@ -52,7 +53,7 @@ def parse_config(path) -> model_config_pb2.ModelConfig:
 
 def test_config_parses(engine_dir, tmp_path):
     model = write_model_repository(engine_dir, tmp_path / "repo", instances=2, max_batch=2, device="cuda",
-                                   gpus=[0, 1])
+                                   gpus=[0, 1], max_prompt_chars=5000)
     cfg = parse_config(model / "config.pbtxt")
     assert (cfg.name, cfg.backend, cfg.max_batch_size) == ("k3", "python", 0)
     assert cfg.model_transaction_policy.decoupled
@@ -65,6 +66,7 @@ def test_config_parses(engine_dir, tmp_path):
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert params["engine_dir"] == str(engine_dir.resolve())
     assert json.loads(params["engine_options"]) == {"max_batch": 2}
+    assert params["max_prompt_chars"] == "5000"
     assert (model / "1" / "model.py").is_file()
     front = parse_config(tmp_path / "repo" / "k3_unary" / "config.pbtxt")
     assert not front.model_transaction_policy.decoupled and front.parameters["target_model"].string_value == "k3"
@@ -238,6 +240,15 @@ def failures(server, model: str = "k3") -> float:
                if line.startswith("nv_inference_request_failure{") and f'model="{model}"' in line)
 
 
+def counted(server, model: str, expected: float, timeout: float = 10.0) -> bool:
+    """Whether the model's failure count reaches `expected` within `timeout` (and does not pass it)."""
+    deadline = time.monotonic() + timeout
+    while (got := failures(server, model)) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got == expected, f"{model}: {got} failures counted, expected {expected}"
+    return True
+
+
 @pytest.mark.parametrize("values, field", [
     ({"text_input": "hi", "temperature": -1.0}, "temperature"),
     ({"text_input": "hi", "messages": "[]"}, "text_input"),
@@ -248,9 +259,10 @@ def failures(server, model: str = "k3") -> float:
     ({"messages": "[" * 100_000 + "]" * 100_000}, "messages"),
     ({"messages": '[{"role": "user", "content": "hi"}]', "tools": json.dumps([{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}])}, "tools"),
+    ({"text_input": "x" * (DEFAULT_MAX_PROMPT_CHARS + 1)}, "text_input"),
 ])
 def test_bad_request_is_an_error(server, values, field):
-    before = failures(server)
+    before, before_unary = failures(server), failures(server, "k3_unary")
     with pytest.raises(InferenceServerException) as e:
         unary(server, **values)
     assert e.value.status() == "400" and field in e.value.message(), e.value.message()
@@ -261,8 +273,29 @@ def test_bad_request_is_an_error(server, values, field):
         assert isinstance(error, InferenceServerException) and field in error.message()
     finally:
         s.close()
-    assert failures(server) == before + 2         # the unary front's BLS request and the stream's
+    # Triton counts a failure after `execute` returns, which can be just after the client has its error
+    assert counted(server, "k3", before + 2)            # the unary front's BLS request and the stream's
+    assert counted(server, "k3_unary", before_unary + 1)
     assert unary(server, text_input="still serving?", max_tokens=3, temperature=0.0)["completion_tokens"] == 3
+
+
+def test_large_prompt_does_not_hold_up_others(server):
+    """A maximal prompt is tokenized in a worker process (started by the first one: seconds), off the
+    engine model's intake: a small request sent after it is answered first, and quickly."""
+    s = Stream(server)
+    try:
+        s.send("huge", text_input="word " * (DEFAULT_MAX_PROMPT_CHARS // 5), max_tokens=1, temperature=0.0)
+        time.sleep(0.2)                          # the huge one reaches the model first
+        start = time.monotonic()
+        small = unary(server, text_input="hi", max_tokens=1, temperature=0.0)
+        waited = time.monotonic() - start
+        assert s.q.empty(), "the small request waited for the large one"
+        error, final = s.next()
+    finally:
+        s.close()
+    assert small["completion_tokens"] == 1 and waited < 2.0, waited
+    # the tiny engine's context is far shorter: refused after tokenizing, from the event loop
+    assert final and isinstance(error, InferenceServerException) and "text_input" in error.message(), error
 
 
 def test_cancelled_stream_frees_blocks(server):
