@@ -4,6 +4,7 @@ full-recompute greedy oracle, and the leak check every runtime test ends with.""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -36,6 +37,15 @@ def assert_no_leak(llm) -> None:
     assert usage["blocks_in_use"] == 0 and usage["slots_in_use"] == 0, usage
     assert llm.cache.pool.num_free == llm.cache.pool.num_blocks, usage
     assert not llm.scheduler.running and not llm.scheduler.waiting
+
+
+def assert_idle_and_no_leak(llm, timeout: float = 10.0) -> None:
+    """A served engine whose requests have all ended holds no block, slot or request: wait (up to
+    `timeout`) for its loop to finish what the server handed it, then assert_no_leak."""
+    deadline = time.monotonic() + timeout
+    while llm.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert_no_leak(llm)
 
 
 def assert_released(llm) -> None:

@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from runtime_utils import one_thread  # noqa: E402
+from runtime_utils import assert_idle_and_no_leak, one_thread  # noqa: E402
 
 from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
 
@@ -126,3 +126,8 @@ def test_completion_schema(server, body):
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=raw_bodies)
 def test_raw_bodies(server, path, body):
     _check(server, path, body)
+
+
+def test_no_block_leaks_after_the_fuzz(server):
+    """Every request above ended (answered or refused): the engine holds no block, slot or request."""
+    assert_idle_and_no_leak(server.state.llm)

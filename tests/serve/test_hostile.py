@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from runtime_utils import one_thread  # noqa: E402
+from runtime_utils import assert_idle_and_no_leak, one_thread  # noqa: E402
 
 from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
 from k3trt.serve.protocol import MAX_DEPTH  # noqa: E402
@@ -146,6 +146,11 @@ def test_metrics_needs_the_api_key(server):
 def text(word: str) -> str:
     """A maximal prompt of distinct words (the tokenizer caches words it has seen)."""
     return " ".join(f"{word}{i * 7919 % 100003}" for i in range(MAX_PROMPT_CHARS // 4))[:MAX_PROMPT_CHARS - 100]
+
+
+def test_no_block_leaks_after_the_hostile_requests(server):
+    """Every hostile request above was refused or ended: the engine holds no block, slot or request."""
+    assert_idle_and_no_leak(server.state.llm)
 
 
 @pytest.fixture(scope="module")
