@@ -12,6 +12,7 @@ from runtime_utils import build_tiny_engine
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
 from k3trt.model.loader import load_model
 from k3trt.model.make_checkpoint import make_checkpoint
+from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 
 # Tiny models are latency-bound: one thread is faster than two fighting over CI's 2 cores.
 torch.set_num_threads(1)
@@ -30,6 +31,15 @@ def pytest_collection_modifyitems(config, items):
 def tiny_ckpt(tmp_path_factory):
     """A tiny random-weight K3 checkpoint, made once per test session."""
     return make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The K3 tokenizer (write_k3_tokenizer), written once per test session; tests only read it.
+    A module that needs another tokenizer defines its own `tok`."""
+    d = tmp_path_factory.mktemp("k3tok")
+    write_k3_tokenizer(d)
+    return Tokenizer.from_dir(d)
 
 
 @pytest.fixture(scope="session")

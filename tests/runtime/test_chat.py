@@ -15,7 +15,6 @@ from k3trt.runtime.chat import (
     render_segments,
     template_ids,
 )
-from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 from k3trt.runtime.xtml import ParsedOutput, ToolCall, parse
 
 TOOLS = [{"type": "function", "function": {
@@ -36,13 +35,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "Sunny, then unknown.", "reasoning": "  "},
     {"role": "user", "content": "Thanks"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    out = tmp_path_factory.mktemp("k3tok")
-    write_k3_tokenizer(out)
-    return Tokenizer.from_dir(out)
 
 
 def test_simple_prompt():

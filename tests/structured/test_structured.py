@@ -28,7 +28,7 @@ from k3trt.runtime.structured import (  # noqa: E402
     pack,
     unpack,
 )
-from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer  # noqa: E402
+from k3trt.runtime.tokenizer import Tokenizer  # noqa: E402
 
 
 def validate(instance, schema) -> None:
@@ -46,13 +46,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    write_k3_tokenizer(d)
-    return Tokenizer.from_dir(d)
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,8 @@ from k3trt.runtime.structured import (  # noqa: E402
     GuidedSpec,
     compile_guide,
 )
-from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer  # noqa: E402
 
 _MARKER = re.compile(r"(<\|open\|>|<\|close\|>|<\|sep\|>)")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    write_k3_tokenizer(d)
-    return Tokenizer.from_dir(d)
 
 
 @pytest.fixture(scope="module")
