@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from k3trt.vision_config import VisionConfig, VisionConfigError
+
 REQUIRED = object()
 TEXT_MODEL_TYPES = ("kimi_linear", "kimi_k3_text")
 TOP_MODEL_TYPE = "kimi_k3"
@@ -127,6 +129,8 @@ class ModelConfig:
     model_type: str = TOP_MODEL_TYPE
     pad_token_id: int = 0
     media_placeholder_token_id: int | None = None
+    # the vision tower and projector (config.json's vision_config); None: a text-only checkpoint
+    vision: VisionConfig | None = None
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -198,20 +202,27 @@ class ModelConfig:
         text = _normalise(text, prefix, text.get("model_type", model_type))
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name in ("model_type", "quantization_config", "pad_token_id", "media_placeholder_token_id"):
+            if f.name in ("model_type", "quantization_config", "pad_token_id", "media_placeholder_token_id",
+                          "vision"):
                 continue
             if f.name in text:
                 kwargs[f.name] = _convert(f.name, text[f.name], prefix)
             elif f.default is REQUIRED:
                 raise ConfigError(f"required field '{prefix}{f.name}' is missing")
-        cfg = cls(**kwargs, model_type=model_type, quantization_config=quant, **top)
+        vision = None
+        if model_type == TOP_MODEL_TYPE and raw.get("vision_config") is not None:
+            try:
+                vision = VisionConfig.from_dict(raw["vision_config"], text_hidden_size=text.get("hidden_size"), top=raw)
+            except VisionConfigError as e:
+                raise ConfigError(str(e)) from None
+        cfg = cls(**kwargs, model_type=model_type, quantization_config=quant, vision=vision, **top)
         cfg.validate(prefix)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         """The text config as plain JSON data (round-trips through from_dict)."""
         out = dataclasses.asdict(self)
-        for k in ("model_type", "pad_token_id", "media_placeholder_token_id", "quantization_config"):
+        for k in ("model_type", "pad_token_id", "media_placeholder_token_id", "quantization_config", "vision"):
             out.pop(k)
         out["linear_attn_config"]["kda_layers"] = list(self.linear_attn_config.kda_layers)
         out["linear_attn_config"]["full_attn_layers"] = list(self.linear_attn_config.full_attn_layers)
