@@ -209,14 +209,14 @@ class ModelConfig:
                 kwargs[f.name] = _convert(f.name, text[f.name], prefix)
             elif f.default is REQUIRED:
                 raise ConfigError(f"required field '{prefix}{f.name}' is missing")
-        vision = None
+        cfg = cls(**kwargs, model_type=model_type, quantization_config=quant, **top)
+        cfg.validate(prefix)
         if model_type == TOP_MODEL_TYPE and raw.get("vision_config") is not None:
             try:
-                vision = VisionConfig.from_dict(raw["vision_config"], text_hidden_size=text.get("hidden_size"), top=raw)
+                vision = VisionConfig.from_dict(raw["vision_config"], text_hidden_size=cfg.hidden_size, top=raw)
             except VisionConfigError as e:
                 raise ConfigError(str(e)) from None
-        cfg = cls(**kwargs, model_type=model_type, quantization_config=quant, vision=vision, **top)
-        cfg.validate(prefix)
+            cfg = dataclasses.replace(cfg, vision=vision)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:

@@ -148,11 +148,3 @@ class VisionConfig:
             return cls(**kwargs)
         except TypeError as e:
             raise VisionConfigError(f"field '{prefix[:-1]}' is malformed ({e})") from None
-
-    def to_released(self) -> dict[str, Any]:
-        """The ``vision_config`` object in the released spelling (what make-checkpoint writes)."""
-        inverse = {v: k for k, v in ALIASES.items()}
-        out = {inverse.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("merge_kernel_size", "image_mean", "image_std"):
-            out[name] = list(out[name])
-        return {**out, **VARIANTS, "model_type": "kimi_k25_vision"}

@@ -21,7 +21,7 @@ import torch
 from k3trt.config import TEXT_MODEL_TYPES, TOP_MODEL_TYPE, ModelConfig
 from k3trt.model.checkpoint_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader
 from k3trt.model.k3 import K3ForCausalLM
-from k3trt.model.layout import PREFIX_ALIASES, SKIP_PREFIXES, checkpoint_prefix, copy_of, source, template
+from k3trt.model.layout import PREFIX_ALIASES, checkpoint_prefix, copy_of, source, template, tensor_prefix
 from k3trt.model.quant import WEIGHT_SUFFIXES, inspect_linear_weight
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,10 @@ def expected_tensors(cfg: ModelConfig) -> list[Expected]:
     """Every checkpoint tensor the config's model needs (whole, unsharded), from a meta model."""
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
-    prefix, out = checkpoint_prefix(cfg), []
+    out = []
     for pname, p in model.named_parameters():
         src, shape = source(pname, cfg), tuple(p.shape)
+        prefix = tensor_prefix(src, cfg)
         if src.combine == "stack":
             out += [Expected(pname, (prefix + n,), shape[1:], shape[1:]) for n in src.names]
         elif src.combine == "cat":
@@ -175,7 +176,7 @@ def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
             continue
         _check_one(reader, exp, name, used, report)
     for name in reader.names():
-        if name in used or name.startswith(SKIP_PREFIXES):
+        if name in used:
             continue
         main = copy_of(name.removeprefix(prefix), cfg)
         if main is not None:

@@ -23,6 +23,7 @@ from k3trt.model.kda import KDA
 from k3trt.model.layers import GatedMLP, RMSNorm
 from k3trt.model.mla import MLA
 from k3trt.model.moe import MoE
+from k3trt.model.vision import VisionEncoder
 from k3trt.parallel.comm import SINGLE, Comm
 
 
@@ -125,6 +126,8 @@ class K3ForCausalLM(nn.Module):
                                  bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # after the text modules: their parameters (and random-init draws) come first
+        self.vision = VisionEncoder(cfg.vision) if cfg.vision is not None else None
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: ModelCache) -> torch.Tensor:
         """Hidden states [T, hidden] (pre-norm); `logits(hidden[rows])` gives the logits you need."""

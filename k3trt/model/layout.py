@@ -9,7 +9,9 @@ checkpoint) except where a rule of ``RULES`` says otherwise:
 - MoE layers are ``block_sparse_moe`` (router ``gate``, ``shared_experts``, the latent
   projections), routed experts one tensor each, ``experts.{e}.w1 / w3 / w2`` (gate / up / down),
   stacked in the model; dense layers are ``mlp.{gate,up,down}_proj``;
-- KDA ``A_log`` is stored [1, 1, H, 1]; the 1-D form is read too.
+- KDA ``A_log`` is stored [1, 1, H, 1]; the 1-D form is read too;
+- the vision tower and projector (``model.vision``, k3trt/model/vision/) keep their published names
+  (``vision_tower.*``, ``mm_projector.*``) at the checkpoint's top level, beside ``language_model.``.
 
 ``also`` lists other spellings that are read but never written: transformers' ``save_pretrained``
 writes a dense layer under ``block_sparse_moe.`` (its conversion renames every ``mlp.`` back).
@@ -22,13 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from k3trt.config import ModelConfig
+from k3trt.vision_config import VisionConfig
 
 # A kimi_k3 checkpoint nests the language model under this prefix; a bare Kimi-Linear one does not.
 K3_PREFIX = "language_model."
 # Other spellings of a K3 checkpoint's prefixes (the serving code maps them the same way).
 PREFIX_ALIASES: tuple[tuple[str, str], ...] = (("language_model.layers.", "language_model.model.layers."),)
-# Parts of a K3 checkpoint the model does not use yet (vision): skipped by prefix, and logged.
-SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
 _LAYER = r"model\.layers\.(?P<i>\d+)\."
 _MOE_PARTS = r"(gate|shared_experts|routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)"
@@ -43,6 +44,7 @@ class Rule:
     split: Callable[[ModelConfig], list[int]] | None = None    # "cat" sizes, for writing
     also: tuple[str, ...] = ()                   # other spellings of a "one" tensor, read only
     stored: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None   # published shape of a param shape
+    root: bool = False                           # names at the checkpoint's top level (no K3_PREFIX)
 
 
 RULES: tuple[Rule, ...] = (
@@ -56,6 +58,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_LAYER + r"mlp\.(?P<rest>" + _MOE_PARTS + r"\..+)", ("model.layers.{i}.block_sparse_moe.{rest}",)),
     Rule(_LAYER + r"mlp\.(?P<rest>(gate|up|down)_proj\.weight)", ("model.layers.{i}.mlp.{rest}",),
          also=("model.layers.{i}.block_sparse_moe.{rest}",)),
+    Rule(r"vision\.(?P<rest>(vision_tower|mm_projector)\..+)", ("{rest}",), root=True),
 )
 
 # Tensors a checkpoint may carry that duplicate a model parameter: (regex over the checkpoint name,
@@ -70,6 +73,11 @@ COPIES: tuple[tuple[str, str], ...] = (
 
 def checkpoint_prefix(cfg: ModelConfig) -> str:
     return K3_PREFIX if cfg.model_type == "kimi_k3" else ""
+
+
+def tensor_prefix(src: "Source", cfg: ModelConfig) -> str:
+    """The prefix of `src`'s checkpoint names: none for top-level parts (the vision tower)."""
+    return "" if src.rule is not None and src.rule.root else checkpoint_prefix(cfg)
 
 
 @dataclass(frozen=True)
@@ -115,14 +123,14 @@ def template(name: str) -> str:
     return re.sub(r"(?<=experts\.)\d+", "{e}", name)
 
 
-def vision_shapes(vc: dict, text_hidden: int) -> dict[str, tuple[int, ...]]:
+def vision_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
     """The vision tower (MoonViT, transformers' ``kimi_k25``) and projector tensors of a K3
-    checkpoint under their published names, for a ``vision_config``; k3trt skips them
-    (SKIP_PREFIXES) until vision is supported."""
-    h, inter, p, layers = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"], vc["num_hidden_layers"]
-    merged = h * vc["merge_kernel_size"][0] * vc["merge_kernel_size"][1]
+    checkpoint under their published names and shapes: the layout written down independently of
+    the model's modules (tests compare the two)."""
+    h, inter, p, layers = vc.hidden_size, vc.intermediate_size, vc.patch_size, vc.num_hidden_layers
+    merged = vc.merged_size
     out = {"vision_tower.patch_embed.proj.weight": (h, 3, p, p), "vision_tower.patch_embed.proj.bias": (h,),
-           "vision_tower.patch_embed.pos_emb.weight": (vc["pos_emb_height"], vc["pos_emb_width"], h)}
+           "vision_tower.patch_embed.pos_emb.weight": (vc.pos_emb_height, vc.pos_emb_width, h)}
     for b in range(layers):
         pre = f"vision_tower.encoder.blocks.{b}."
         for name, shape in (("norm0", (h,)), ("norm1", (h,)), ("wqkv", (3 * h, h)), ("wo", (h, h)),
@@ -132,5 +140,6 @@ def vision_shapes(vc: dict, text_hidden: int) -> dict[str, tuple[int, ...]]:
     out.update({"vision_tower.encoder.final_layernorm.weight": (h,), "vision_tower.encoder.final_layernorm.bias": (h,),
                 "mm_projector.pre_norm.weight": (h,), "mm_projector.pre_norm.bias": (h,),
                 "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
-                "mm_projector.proj.2.weight": (text_hidden, merged), "mm_projector.proj.2.bias": (text_hidden,)})
+                "mm_projector.proj.2.weight": (vc.text_hidden_size, merged),
+                "mm_projector.proj.2.bias": (vc.text_hidden_size,)})
     return out

@@ -1,8 +1,8 @@
 """Random-weight Kimi K3 checkpoints in the real Hugging Face layout.
 
 ``make_checkpoint("tiny", out)`` writes config.json, generation_config.json, sharded safetensors with
-model.safetensors.index.json (tensor names and shapes as published, k3trt/model/layout.py, with a
-small random vision tower and projector), and a real tokenizer (DeepSeek's, extended with the K3 special
+model.safetensors.index.json (tensor names and shapes as published, k3trt/model/layout.py, the
+vision tower and projector included), and a real tokenizer (DeepSeek's, extended with the K3 special
 tokens) with tokenizer_config.json and a chat template. Same preset and seed, same bytes.
 """
 
@@ -18,7 +18,6 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_write import write_checkpoint
-from k3trt.model.layout import vision_shapes
 from k3trt.model.loader import build_model
 from k3trt.model.presets import PRESETS, preset_config
 from k3trt.model.quant import fp8_quantization_config, mxfp4_quantization_config
@@ -53,10 +52,6 @@ def make_checkpoint(preset: str, out_dir: str | Path, *, seed: int = 0, quant: s
         # weights ship in bf16 (quantized formats keep their own dtypes, e.g. fp32 block scales)
         tensors = checkpoint_tensors(model.to(torch.bfloat16), cfg, quant)
         del model
-        # the vision tensors go after the embedding, into the shard the first layers start (an own
-        # shard would be one more file for a few kB)
-        first = next(iter(tensors))
-        tensors = {first: tensors.pop(first), **_vision_tensors(raw, seed), **tensors}
         if quant != "none":
             raw["text_config"]["quantization_config"] = quant_config(quant)
         write_checkpoint(tmp, {k: v.cpu() for k, v in tensors.items()}, max_shard_bytes=SHARD_BYTES[preset])
@@ -72,13 +67,6 @@ def make_checkpoint(preset: str, out_dir: str | Path, *, seed: int = 0, quant: s
         raise
     log.info("wrote %s", out_dir)
     return out_dir
-
-
-def _vision_tensors(raw: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Random bf16 vision tower and projector tensors under their published names."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = vision_shapes(raw["vision_config"], raw["text_config"]["hidden_size"])
-    return {n: (0.02 * torch.randn(s, generator=g)).to(torch.bfloat16) for n, s in shapes.items()}
 
 
 def quant_config(quant: str) -> dict:

@@ -52,12 +52,26 @@ K3_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-# A small MoonViT (transformers' kimi_k25 vision config fields) for every preset: its tensors are
-# written under their published names so that presets are real-format checkpoints; k3trt skips them.
-VISION_CONFIG: dict[str, Any] = dict(
-    model_type="kimi_k25_vision", patch_size=14, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-    num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, merge_kernel_size=[2, 2],
-    hidden_act="gelu_pytorch_tanh")
+# Each preset's MoonViT (vision_config in the released spelling): tiny for CI; small a few layers;
+# medium the published per-layer sizes (Kimi K2.5 / K3: 1152 wide, 16 heads, 4304 MLP, 64×64
+# position table) with few layers. The projector maps to the preset's text hidden size.
+VISION_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=2,
+                 init_pos_emb_height=4, init_pos_emb_width=4),
+    "small": dict(vt_hidden_size=256, vt_intermediate_size=768, vt_num_attention_heads=4, vt_num_hidden_layers=4,
+                  init_pos_emb_height=16, init_pos_emb_width=16),
+    "medium": dict(vt_hidden_size=1152, vt_intermediate_size=4304, vt_num_attention_heads=16, vt_num_hidden_layers=4,
+                   init_pos_emb_height=64, init_pos_emb_width=64),
+}
+VISION_DEFAULTS: dict[str, Any] = dict(
+    model_type="kimi_k25_vision", patch_size=14, init_pos_emb_time=4, merge_kernel_size=[2, 2],
+    pos_emb_type="divided_fixed", merge_type="sd2_tpool", video_attn_type="spatial_temporal",
+    mm_projector_type="patchmerger", projector_hidden_act="gelu", projector_ln_eps=1e-5)
+
+
+def vision_preset(name: str, text_hidden_size: int) -> dict[str, Any]:
+    vc = {**VISION_DEFAULTS, **VISION_PRESETS[name]}
+    return {**vc, "mm_hidden_size": vc["vt_hidden_size"], "text_hidden_size": text_hidden_size}
 
 
 def preset_config(name: str, vocab_size: int, *, pad_token_id: int = 0) -> dict[str, Any]:
@@ -70,7 +84,7 @@ def preset_config(name: str, vocab_size: int, *, pad_token_id: int = 0) -> dict[
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text,
-        "vision_config": dict(VISION_CONFIG),
+        "vision_config": vision_preset(name, text["hidden_size"]),
         "media_placeholder_token_id": 163605,
         "pad_token_id": pad_token_id,
         "torch_dtype": "bfloat16",

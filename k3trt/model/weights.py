@@ -4,9 +4,9 @@ Which checkpoint tensors make each parameter is data, in k3trt/model/layout.py (
 layout). Loading is strict: the checkpoint's index is first checked against the config from the
 headers alone (k3trt/model/checkpoint_check.py: every problem listed at once, unknown names with
 the nearest known rule), then every model parameter comes from the checkpoint with its exact shape
-and every checkpoint tensor is consumed (the vision tower and projector are skipped by the
-explicit ``SKIP_PREFIXES`` list, and the log says so; MTP layers' copies of the embedding and
-lm_head are checked by their headers and not read).
+and every checkpoint tensor is consumed (the vision tower and projector included, when config.json has
+a ``vision_config``; MTP layers' copies of the embedding and lm_head are checked by their headers
+and not read).
 
 With a ParallelConfig, each rank loads its shard (k3trt/parallel/shard.py says which slice of each
 tensor): the slice is cut from the memory-mapped tensor before it is converted, so only its bytes
@@ -29,14 +29,14 @@ from torch import nn
 from k3trt.config import ModelConfig
 from k3trt.model.checkpoint_check import WeightError, check_reader, linear_like, open_checkpoint, pick_name
 from k3trt.model.checkpoint_io import CheckpointReader
-from k3trt.model.layout import SKIP_PREFIXES, Source, checkpoint_prefix, copy_of, source
+from k3trt.model.layout import Source, checkpoint_prefix, copy_of, source, tensor_prefix
 from k3trt.model.quant import WEIGHT_SUFFIXES, load_linear_weight, quantize_for_checkpoint
 from k3trt.parallel.config import ParallelConfig
 from k3trt.parallel.shard import WHOLE, Part, ShardError, param_part
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QUANT_TARGETS", "SKIP_PREFIXES", "WeightError", "checkpoint_prefix", "checkpoint_tensors", "init_random_",
+__all__ = ["QUANT_TARGETS", "WeightError", "checkpoint_prefix", "checkpoint_tensors", "init_random_",
            "load_weights"]
 
 
@@ -75,15 +75,12 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
     """Fill every parameter of `model` (built on any device, e.g. meta then to_empty) from the
     checkpoint at `ckpt_dir`, strictly. With `pc`, `model` is rank pc.rank's shard (built with a
     Comm of that config) and gets its slice of every tensor."""
-    prefix = checkpoint_prefix(cfg)
     with open_checkpoint(ckpt_dir, cfg) as reader:
         check_reader(reader, cfg).raise_if_bad()
-        skipped = reader.skip_prefixes(SKIP_PREFIXES)
-        if skipped:
-            log.info("skipped %d tensors of the vision tower/projector (vision is not supported yet)", len(skipped))
         params = dict(model.named_parameters())
         for i, (pname, p) in enumerate(params.items()):
             src = source(pname, cfg)
+            prefix = tensor_prefix(src, cfg)
             part = param_part(pname, pc) if pc is not None and pc.world_size > 1 else WHOLE
             if src.combine == "one":
                 name = pick_name(reader, [prefix + n for n in (*src.names, *src.also)])
@@ -106,6 +103,7 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
                 p.copy_(t.to(p.device))
             if (i + 1) % 200 == 0:
                 log.info("loaded %d/%d parameters", i + 1, len(params))
+        prefix = checkpoint_prefix(cfg)
         copies = [n for n in reader.unconsumed() if copy_of(n.removeprefix(prefix), cfg)]
         for n in copies:
             reader.get(n)       # a view of the mmap: marks it consumed, reads no data
@@ -126,9 +124,10 @@ def checkpoint_tensors(model: nn.Module, cfg: ModelConfig, quant: str = "none") 
     ships)."""
     if quant not in QUANT_TARGETS:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {sorted(QUANT_TARGETS)}")
-    prefix, out = checkpoint_prefix(cfg), {}
+    out = {}
     for pname, p in model.named_parameters():
         src = source(pname, cfg)
+        prefix = tensor_prefix(src, cfg)
         t = p.detach()
         if src.combine == "stack":
             parts = list(t.unbind(0))
@@ -146,7 +145,9 @@ def checkpoint_tensors(model: nn.Module, cfg: ModelConfig, quant: str = "none") 
 
 
 def _fp8_target(name: str, shape) -> str:
-    skip = ("embed_tokens", "lm_head", ".block_sparse_moe.gate.", "_res_proj", "eh_proj")
+    # the vision tower and projector ship in bf16 beside fp8 text weights
+    skip = ("embed_tokens", "lm_head", ".block_sparse_moe.gate.", "_res_proj", "eh_proj", "vision_tower.",
+            "mm_projector.")
     return "fp8" if linear_like(name, shape) and not any(s in name for s in skip) else "none"
 
 
@@ -176,6 +177,10 @@ def _linear(p, g):
 # ones so that a test can tell whether a norm's weight was applied.
 INIT_RULES: tuple[tuple[str, Callable[[nn.Parameter, torch.Generator], torch.Tensor]], ...] = (
     (r".*embed_tokens\.weight", _randn),
+    (r"vision\..*(norm\d?|pre_norm)\.weight", lambda p, g: 1 + 0.1 * _randn(p, g)),
+    (r"vision\..*\.bias", lambda p, g: 0.02 * _randn(p, g)),
+    (r"vision\..*pos_emb\.weight", lambda p, g: 0.5 * _randn(p, g)),
+    (r"vision\..*\.proj\.weight", lambda p, g: _randn(p, g) / math.sqrt(p[0].numel())),
     (r".*(norm|layernorm)\.weight", lambda p, g: 1 + 0.1 * _randn(p, g)),
     (r".*e_score_correction_bias", lambda p, g: 0.05 * _randn(p, g)),
     (r".*A_log", lambda p, g: torch.empty(p.shape, device=g.device).uniform_(0.0, math.log(16.0), generator=g)),

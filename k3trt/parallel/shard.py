@@ -49,6 +49,7 @@ SHARD_RULES: tuple[tuple[str, str | None, int | None], ...] = (
     (_L + r"mlp\.gate\.(weight|e_score_correction_bias)", None, None),
     (_L + r"mlp\.routed_expert_(down|up)_proj\.weight", None, None),
     (_L + r"eh_proj\.weight", None, None),
+    (r"vision\..+", None, None),           # the vision encoder is small: every rank holds all of it
 )
 
 

@@ -44,13 +44,12 @@ def test_cli_make_checkpoint(tmp_path):
 def test_load_gives_identical_tensors(tiny_ckpt, tiny_model):
     cfg, model = tiny_model
     written = checkpoint_tensors(model, cfg)
-    raw = json.loads((tiny_ckpt / "config.json").read_text())
-    vision = vision_shapes(raw["vision_config"], cfg.hidden_size)
+    vision = vision_shapes(cfg.vision)
     with CheckpointReader(tiny_ckpt) as r:
-        assert sorted(r.names()) == sorted([*written, *vision])
+        assert sorted(r.names()) == sorted(written)
         for name, t in written.items():
             assert torch.equal(r.get(name).float(), t), name
-        assert all(r.shape(n) == s for n, s in vision.items())
+        assert {n: r.shape(n) for n in vision} == vision        # the published vision layout
     assert any(n.startswith("language_model.model.layers.2.self_attn.q_a_proj") for n in written)
 
 
@@ -107,13 +106,26 @@ def test_strict_loading_names_the_tensor(tiny_ckpt, tmp_path, edit, match):
         _load(bad)
 
 
-def test_vision_tower_is_skipped_and_logged(tiny_ckpt, tmp_path, caplog):
-    vision = sum(n.startswith(("vision_tower.", "mm_projector.")) for n in CheckpointReader(tiny_ckpt).names())
-    assert vision > 0
-    d = _rewrite(tiny_ckpt, tmp_path / "vl", lambda t: t.update({
-        "multi_modal_projector.linear_1.weight": torch.zeros(4, 4)}))
-    _load(d)
-    assert f"skipped {vision + 1} tensors of the vision tower" in caplog.text
+WQKV = "vision_tower.encoder.blocks.1.wqkv.weight"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.pop(WQKV), f"missing tensor '{WQKV}'"),
+    (lambda t: t.update({WQKV: t[WQKV][:-1]}), f"'{WQKV}' has shape"),
+    (lambda t: t.update({"multi_modal_projector.linear_1.weight": torch.zeros(4, 4)}), "multi_modal_projector"),
+])
+def test_vision_tower_loads_strictly(tiny_ckpt, tmp_path, edit, match):
+    """The vision tensors are model parameters like the others: every one read, none extra."""
+    bad = _rewrite(tiny_ckpt, tmp_path / "bad", edit)
+    with pytest.raises(WeightError, match=match.replace(".", r"\.")):
+        _load(bad)
+
+
+def test_vision_tower_is_loaded(tiny_ckpt, tiny_model):
+    cfg, model = tiny_model
+    assert model.vision is not None and cfg.vision.hidden_size == 32
+    with CheckpointReader(tiny_ckpt) as r:
+        assert torch.equal(model.vision.vision_tower.encoder.blocks[1].wqkv.weight, r.get(WQKV).float())
 
 
 def test_missing_shard_and_corrupt_header(tiny_ckpt, tmp_path):

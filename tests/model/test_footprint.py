@@ -100,10 +100,10 @@ def test_k3_sizes():
 
 
 def test_tiny_preset_count_equals_its_checkpoint(tiny_ckpt):
-    """Independent count: every language-model tensor make-checkpoint wrote."""
+    """Independent count: every tensor make-checkpoint wrote (language model and vision tower)."""
     cfg = ModelConfig.from_json(tiny_ckpt)
     with CheckpointReader(tiny_ckpt) as r:
-        n = sum(r.get(name).numel() for name in r.names() if name.startswith("language_model."))
+        n = sum(r.get(name).numel() for name in r.names())
     assert footprint(cfg).params == n
 
 
