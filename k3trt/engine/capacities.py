@@ -3,6 +3,9 @@
 verify   batch capacities B: powers of two below the largest batch, then the largest itself
          (28 → 1, 2, 4, 8, 16, 28). A verify engine of capacity B runs B × (K+1) query rows.
 prefill  token capacities T: powers of two up to the step token budget, then the budget itself.
+encoder  vision encoder patch capacities P (optional, a model with a vision tower): one encoder
+         call runs up to P patches of one or several whole images (patches = pixels / 14²
+         before the 2×2 merge), padded to the smallest capacity that holds them.
 
 A step with n live requests uses the smallest verify capacity >= n and pads (3 live → 4); more
 than the largest is an error the scheduler must avoid by splitting or queueing, never a silent
@@ -104,10 +107,13 @@ class Capacities:
     verify: tuple[int, ...]          # batch capacities (requests)
     prefill: tuple[int, ...]         # token capacities (one sequence each)
     spec_tokens: int = 3             # K: each verify request runs K + 1 rows
+    encoder: tuple[int, ...] = ()    # vision encoder patch capacities; () without encoder graphs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", validate(self.verify, "verify"))
         object.__setattr__(self, "prefill", validate(self.prefill, "prefill"))
+        if self.encoder:
+            object.__setattr__(self, "encoder", validate(self.encoder, "encoder"))
         if not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= 7:
             raise CapacityError(f"spec_tokens must be an integer in 0..7, got {self.spec_tokens!r}")
         if self.prefill[0] != 1:
@@ -133,7 +139,7 @@ class Capacities:
         exceed `max_num_tokens`, is a CapacityError naming the option."""
         caps = Capacities(_upto(self.verify, max_batch, "max_batch"),
                           _upto(self.prefill, max_num_tokens, "max_num_tokens"),
-                          self.spec_tokens if spec_tokens is None else spec_tokens)
+                          self.spec_tokens if spec_tokens is None else spec_tokens, self.encoder)
         if max_num_tokens is not None:
             caps.check_budget(max_num_tokens)
         return caps
@@ -160,14 +166,23 @@ class Capacities:
     def split_prefill(self, tokens: int) -> tuple[int, ...]:
         return split_prefill(self.prefill, tokens)
 
+    def pick_encoder(self, patches: int) -> int:
+        """The smallest encoder capacity holding `patches` (a CapacityError past the largest)."""
+        if not self.encoder:
+            raise CapacityError("this engine has no vision encoder capacities; build it with --encoder-capacities")
+        return pick(self.encoder, patches, "encoder")
+
     def to_dict(self) -> dict[str, Any]:
-        return {"verify": list(self.verify), "prefill": list(self.prefill), "spec_tokens": self.spec_tokens}
+        out = {"verify": list(self.verify), "prefill": list(self.prefill), "spec_tokens": self.spec_tokens}
+        if self.encoder:
+            out["encoder"] = list(self.encoder)
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Capacities":
         if not isinstance(raw, Mapping) or "verify" not in raw or "prefill" not in raw:
             raise CapacityError(f"capacities must be an object with 'verify' and 'prefill' lists, got {raw!r}")
-        return cls(tuple(raw["verify"]), tuple(raw["prefill"]), raw.get("spec_tokens", 3))
+        return cls(tuple(raw["verify"]), tuple(raw["prefill"]), raw.get("spec_tokens", 3), tuple(raw.get("encoder", ())))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -25,9 +25,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, batch: VisionBatch, masked: bool) ->
     """q, k, v [P, heads, d] -> [P, heads, d], each patch attending to its own image's patches."""
     if masked:
         same = batch.segment[:, None] == batch.segment[None, :]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=same[None])
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=same[None, None])
+        return out[0].transpose(0, 1)
     outs, start = [], 0
     for n in batch.lengths:
         sl = slice(start, start + n)
