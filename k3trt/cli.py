@@ -50,6 +50,15 @@ def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(str(e)) from None
 
 
+def _encoder_capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return parse_capacity_list(value, "encoder")
+    except CapacityError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @main.command("build")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--output", "-o", type=click.Path(file_okay=False), required=True, help="engine directory to write")
@@ -86,8 +95,11 @@ def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="plugin: k3trt ops as layers of the k3trt plugin library (k3trt build-plugins); native: "
               "TensorRT-RTX's fallback without the library, the ops lowered to standard ONNX (dense MLA and "
               "experts, KDA unrolled: prefill capacities <= 64)")
+@click.option("--encoder-capacities", callback=_encoder_capacity_list,
+              help="vision encoder patch capacities, e.g. 1024,4096 (torch: recorded; onnx: one graph each)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep, rtx_lowering) -> None:
+              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep, rtx_lowering,
+              encoder_capacities) -> None:
     """Compile CHECKPOINT into an engine directory.
 
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
@@ -100,7 +112,8 @@ def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_toke
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
                             dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx,
                             force=force, workers=workers, parallel=ParallelConfig(tp=tp, dcp=dcp, ep=ep),
-                            device_memory_gb=device_memory, echo=click.echo, rtx_lowering=rtx_lowering)
+                            device_memory_gb=device_memory, echo=click.echo, rtx_lowering=rtx_lowering,
+                            encoder_capacities=encoder_capacities)
     except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(str(path))

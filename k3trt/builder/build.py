@@ -43,6 +43,7 @@ from k3trt.engine.backends import BACKENDS
 from k3trt.engine.build_config import DTYPES, BuildConfig
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.engine_dir import EngineDir, EngineDirError, is_engine_dir, read_engine_dir, sha256_file
+from k3trt.engine.vision_io import encoder_specs
 from k3trt.engine.writer import check_output, copy_owned, write_engine_dir
 from k3trt.model.checkpoint_check import validate_weights
 from k3trt.model.checkpoint_io import INDEX_NAME, SHARD_RE, SINGLE_NAME, CheckpointReader
@@ -58,7 +59,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", 
                    "special_tokens_map.json")
 WEIGHT_FILES = (INDEX_NAME, SINGLE_NAME, "config.json")
 # the parts of k3trt whose code shapes an exported graph or engine (their digest is in every content key)
-CODE_PACKAGES = ("__init__.py", "config.py", "engine", "builder", "model", "plugins")
+CODE_PACKAGES = ("__init__.py", "config.py", "vision_config.py", "engine", "builder", "model", "plugins")
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
@@ -76,7 +77,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                  max_seq_len: int | None = None, target: str | None = None, check_onnx: bool = False,
                  force: bool = False, workers: int = 1, parallel: ParallelConfig | None = None,
                  device_memory_gb: float | None = None, echo: Callable[[str], None] | None = None,
-                 rtx_lowering: str = "plugin") -> Path:
+                 rtx_lowering: str = "plugin", encoder_capacities: Sequence[int] | None = None) -> Path:
     """Build an engine dir. `capacities`: verify batch capacities (default: powers of two up to 32,
     the largest being the live-request limit); prefill token capacities are the powers of two up
     to max_num_tokens (engine/capacities.py). `output` may be an existing engine dir: it is
@@ -104,6 +105,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                      device_memory_gb, echo)
     caps = Capacities.plan(max_batch=DEFAULT_MAX_BATCH, max_num_tokens=max_num_tokens, spec_tokens=spec_tokens,
                            verify=capacities or None)
+    if encoder_capacities:
+        caps = dataclasses.replace(caps, encoder=_encoder_capacities(cfg, backend, encoder_capacities, build))
     if backend != "torch" and caps.prefill[-1] > build.max_seq_len:
         # a prefill graph holds one sequence's chunk: a capacity past max_seq_len could never run (nor export)
         caps = dataclasses.replace(caps, prefill=tuple(t for t in caps.prefill if t <= build.max_seq_len))
@@ -135,6 +138,19 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
 
     return write_engine_dir(output, backend=backend, target=target, model_raw=model_raw, build=build,
                             capacities=caps, populate=populate)
+
+
+def _encoder_capacities(cfg, backend: str, capacities: Sequence[int], build: BuildConfig) -> tuple[int, ...]:
+    """The vision encoder's patch capacities, checked: the onnx backend exports one graph each
+    (builder/export_vision.py), the torch backend records them (the runtime pads encoder calls to them)."""
+    if cfg.vision is None:
+        raise ValueError("--encoder-capacities: this checkpoint has no vision tower (no vision_config in config.json)")
+    if backend not in ("torch", "onnx"):
+        raise ValueError(f"--encoder-capacities: the {backend} backend does not build the vision encoder; build with "
+                         "--backend torch or onnx")
+    caps = tuple(capacities)
+    encoder_specs(cfg.vision, caps, build.torch_dtype)       # multiples of the merge kernel, or a clear error
+    return caps
 
 
 def report_footprint(fp: Footprint, device_memory_gb: float | None, echo: Callable[[str], None] | None) -> None:
@@ -223,8 +239,8 @@ def _build_onnx(checkpoint: Path, output: Path, *, cfg, target: str | None, mode
         log.info("--target %s: the onnx backend runs on the CPU; ignored", target)
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     checks.check_disk(output, int(weight_bytes * 2 * 1.2))      # fp32 weights.bin + one graph's data file
-    log.info("building onnx engine dir from %s: verify capacities %s, prefill capacities %s", checkpoint,
-             list(caps.verify), list(caps.prefill))
+    log.info("building onnx engine dir from %s: verify capacities %s, prefill capacities %s, encoder capacities %s",
+             checkpoint, list(caps.verify), list(caps.prefill), list(caps.encoder))
 
     def populate(tmp: Path) -> None:
         rank.build_rank(rank.ModelSource(checkpoint, build.torch_dtype), cfg, caps, tmp / "rank0", backend="onnx",

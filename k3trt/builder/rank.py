@@ -36,11 +36,13 @@ import torch
 
 from k3trt.builder.backends import BuildError
 from k3trt.builder.export import export_graph, share_weights
+from k3trt.builder.export_vision import check_encoder, export_encoder
 from k3trt.builder.onnx_ops import check_graph
 from k3trt.builder.tensorrt import LOWERINGS, BuildOptions, EngineReport, build_engine
 from k3trt.engine.backends import MODULES, Backend, load_backend, local_gpu_target
 from k3trt.engine.engine_dir import sha256_file
 from k3trt.engine.graph_io import GraphSpec, graph_specs
+from k3trt.engine.vision_io import encoder_specs
 from k3trt.engine.writer import copy_owned
 from k3trt.model.loader import load_model
 from k3trt.trt_plugin.loader import library_for, target_archs
@@ -155,6 +157,8 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
             if be is not None:
                 r = _engine(be, path, rank_dir, spec.name, position[spec.name], **jobs)
                 reports[spec.name] = dataclasses.replace(r, export_seconds=exported)
+    if capacities.encoder and cfg.vision is not None:
+        _export_encoders(the_model(), cfg, capacities.encoder, dtype, rank_dir, data_name, table, check)
     if check:
         for spec in specs:
             if spec not in todo:
@@ -163,6 +167,18 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
     (rank_dir / WEIGHT_TABLE).write_text(json.dumps(
         {"tensors": [[name, sha, loc, off, n] for (name, sha), (loc, off, n) in table.items()]}, indent=0) + "\n")
     return [reports[s.name] for s in specs] if engines else []
+
+
+def _export_encoders(model, cfg, capacities, dtype, rank_dir: Path, data_name: str, table: dict, check: bool) -> None:
+    """The vision encoder's graph for every encoder capacity (engine/vision_io.py), weights shared
+    with the step graphs' data file; checked by onnxruntime when `check`."""
+    for i, spec in enumerate(encoder_specs(cfg.vision, capacities, dtype), 1):
+        log.info("[%d/%d] %s: export", i, len(capacities), spec.name)
+        path = export_encoder(model.vision, spec, rank_dir / f"{spec.name}.onnx")
+        share_weights([path], data_name, table)
+        if check:
+            log.info("[%d/%d] %s: onnxruntime check", i, len(capacities), spec.name)
+            check_encoder(path, model.vision, spec)
 
 
 def _archs(be: Backend, options: BuildOptions) -> tuple[str, ...]:
