@@ -265,3 +265,20 @@ def test_bad_vision_configs_name_the_field(edit, match):
         ModelConfig.from_dict(raw)
     with pytest.raises(VisionConfigError):
         VisionConfig.from_dict(raw["vision_config"], text_hidden_size=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+def test_bf16_on_the_gpu_matches_fp32(encoder, masked):
+    """Per-image SDPA (flash on the GPU) and the masked capacity path, bf16, against the fp32 CPU run."""
+    grids = GRIDS["several sizes"]
+    pixels = pixels_for(grids, seed=11)
+    with torch.no_grad():
+        ref = encoder(pixels, torch.tensor(grids))
+        gpu = VisionEncoder(VC).to("cuda", torch.bfloat16).eval()
+        gpu.load_state_dict(encoder.state_dict())
+        batch = vision_batch(VC, grids, capacity=512 if masked else None).to("cuda")
+        padded = torch.zeros(batch.pos_index.shape[0], 3, 14, 14)
+        padded[: len(pixels)] = pixels
+        out = gpu.encode(padded.to("cuda", torch.bfloat16), batch, masked=masked)[: batch.num_tokens]
+    assert rel_norm_error(out.float().cpu(), ref) <= 2e-2
