@@ -15,6 +15,7 @@ from k3trt.model.checkpoint_write import write_checkpoint
 from k3trt.model.layout import vision_shapes
 from k3trt.model.loader import build_model, load_model
 from k3trt.model.make_checkpoint import make_checkpoint
+from k3trt.model.quant import quantize_for_checkpoint
 from k3trt.model.weights import WeightError, checkpoint_tensors, load_weights
 
 
@@ -227,3 +228,22 @@ def test_language_model_layers_spelling_loads(tiny_ckpt, tiny_model, tmp_path):
     _, model = load_model(d)
     want = dict(ref.named_parameters())
     assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+
+def test_vision_weights_stored_fp8_load_dequantized(tiny_ckpt, tiny_model, tmp_path):
+    """A checkpoint shipping the tower's projections as fp8 blocks (DeepSeek-V3 style) loads them
+    dequantized, through the same quant code as the text model."""
+    names = ["vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight"]
+
+    def to_fp8(t):
+        for n in names:
+            t.update(quantize_for_checkpoint(n, t.pop(n).float(), "fp8"))
+    d = _rewrite(tiny_ckpt, tmp_path / "fp8", to_fp8)
+    cfg = ModelConfig.from_json(d)
+    model = build_model(cfg)
+    load_weights(model, d, cfg)
+    params = dict(model.named_parameters())
+    want = dict(tiny_model[1].named_parameters())
+    for n in names:
+        got, ref = params["vision." + n], want["vision." + n]
+        assert got.shape == ref.shape and (got - ref).norm() / ref.norm() < 0.07, n
