@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from k3trt.model.vision.geometry import VisionBatch
+from k3trt.model.vision.tower import ACT
 from k3trt.vision_config import VisionConfig
-
-ACT = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
 def merge(x: Tensor, batch: VisionBatch, rows: int) -> Tensor:
