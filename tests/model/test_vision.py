@@ -7,6 +7,8 @@ config's two spellings."""
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -206,6 +208,15 @@ def test_preprocessed_images_run_through_the_tiny_model(tiny_model):
 
 
 # ------------------------------------------------------------------------------ load_image
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares width × height pixels and holds none (what a decompression bomb's
+    header looks like to the size checks)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
 def encoded(img: Image.Image, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     img.save(buf, format=fmt)
@@ -225,6 +236,8 @@ def test_load_image_reads_bytes_and_files(tmp_path):
     ("ico", {}, "not an image in a supported format"),
     ("big", {"max_bytes": 100}, "over the limit of 100"),
     ("png", {"max_pixels": 1000}, "over the limit of 1000"),
+    ("bomb", {"max_pixels": 10 ** 12}, "too large to decode safely"),
+    ("header only", {}, "corrupt or truncated"),
     ("https://example.com/cat.png", {}, "is a URL"),
     ("/no/such/file.png", {}, "does not exist"),
     (b"", {}, "is empty"),
@@ -232,7 +245,8 @@ def test_load_image_reads_bytes_and_files(tmp_path):
 def test_load_image_errors_say_what_and_how(source, limits, match):
     png = encoded(random_image(40, 30))
     source = {"truncated": png[: len(png) // 2], "ico": encoded(random_image(16, 16), "ICO"), "big": png,
-              "png": png}.get(source, source) if isinstance(source, str) else source
+              "png": png, "bomb": png_header_only(30000, 30000),
+              "header only": png_header_only(40, 30)}.get(source, source) if isinstance(source, str) else source
     with pytest.raises(ImageError, match=match):
         load_image(source, **{"max_bytes": 1 << 20, "max_pixels": 10_000, **limits})
 
