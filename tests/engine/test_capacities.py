@@ -66,6 +66,19 @@ def test_capacities_round_trip_and_checks():
         caps.verify = (1,)
 
 
+def test_encoder_capacities():
+    caps = Capacities((1,), (1,), encoder=(256, 1024))
+    assert caps.pick_encoder(1) == 256 and caps.pick_encoder(300) == 1024
+    assert caps.within(max_batch=1).encoder == (256, 1024)
+    assert Capacities.from_json(caps.to_json()) == caps
+    with pytest.raises(CapacityError, match="encoder capacities"):
+        Capacities((1,), (1,), encoder=(1024, 256))
+    with pytest.raises(CapacityError, match="exceed the largest capacity 1024"):
+        caps.pick_encoder(1025)
+    with pytest.raises(CapacityError, match="--encoder-capacities"):
+        Capacities((1,), (1,)).pick_encoder(4)
+
+
 def test_within_engine_options():
     caps = Capacities.plan(max_batch=8, max_num_tokens=64, spec_tokens=3)
     assert caps.within() == caps
