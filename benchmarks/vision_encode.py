@@ -5,9 +5,9 @@ K3's vision dimensions (MoonViT as Kimi K2.5 publishes it: 27 layers, 1152 wide,
     PYTHONPATH=. python benchmarks/vision_encode.py [--json benchmarks/results/vision_encode_h200.json]
     PYTHONPATH=. python benchmarks/vision_encode.py --device cpu --tiny          # smoke test
 
-Per batch: ms per call (median of CUDA-event timings; "call" = VisionEncoder.forward with the
-host-side grid metadata, "encode" = the device work alone, metadata prepared), ms per image,
-images/s, and the roofline: the batch's FLOPs (GEMMs + attention) over the bf16 GEMM ceiling
+Per batch and attention path (varlen flash over all images, SDPA per image): ms per call (median
+of CUDA-event timings; "call" = the grid metadata made on the host, then the encoder; "encode" =
+the device work alone, metadata ready), ms per image, images/s, and the roofline: the batch's FLOPs (GEMMs + attention) over the bf16 GEMM ceiling
 measured in the same run; ratio = roofline / encode time.
 """
 
@@ -57,6 +57,24 @@ def random_encoder(cfg: VisionConfig, device: str, dtype: torch.dtype) -> Vision
     return enc
 
 
+def time_batch(enc: VisionEncoder, cfg: VisionConfig, pixels: torch.Tensor, grids, mode: str, cuda: bool,
+               args) -> dict:
+    """ms per call (grid metadata made on the host, then the encoder) and per encode (metadata
+    ready on the device), attention `mode`."""
+    batch = vision_batch(cfg, grids).to(pixels.device)
+
+    def call():
+        return enc.encode(pixels, vision_batch(cfg, grids).to(pixels.device), attention=mode)
+
+    def encode():
+        return enc.encode(pixels, batch, attention=mode)
+    with torch.no_grad():
+        if cuda:
+            return {"call_ms": round(median_ms(call, warmup=2, reps=args.reps), 3),
+                    "encode_ms": round(median_ms(encode, warmup=2, reps=args.reps), 3)}
+        return {"call_ms": round(best_s(call, reps=3) * 1e3, 3), "encode_ms": round(best_s(encode, reps=3) * 1e3, 3)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -70,34 +88,29 @@ def main(argv: list[str] | None = None) -> None:
     ceil = measure() if cuda else cpu_ceilings()
     enc = random_encoder(cfg, args.device, dtype)
     p = cfg.patch_size
+    modes = ("varlen", "sdpa") if cuda else ("sdpa",)
     rows = []
     for name, grids in batches:
         n = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(n, 3, p, p, device=args.device, dtype=dtype)
-        grid_t = torch.tensor(grids)
-        batch = vision_batch(cfg, grids).to(args.device)
-        with torch.no_grad():
-            def call():
-                return enc(pixels, grid_t)
-
-            def encode():
-                return enc.encode(pixels, batch)
-            if cuda:
-                call_ms = median_ms(call, warmup=2, reps=args.reps)
-                enc_ms = median_ms(encode, warmup=2, reps=args.reps)
-            else:
-                call_ms, enc_ms = best_s(call, reps=3) * 1e3, best_s(encode, reps=3) * 1e3
         fl = flops(cfg, grids)
         roof_ms = fl / (ceil["gemm_tflops"] * 1e12) * 1e3
-        rows.append({"batch": name, "images": len(grids), "patches": n,
-                     "tokens": sum(h * w // cfg.merge_area for _, h, w in grids),
-                     "call_ms": round(call_ms, 3), "encode_ms": round(enc_ms, 3),
-                     "ms_per_image": round(call_ms / len(grids), 3),
-                     "images_per_s": round(len(grids) / call_ms * 1e3, 1),
-                     "tflops": round(fl / (enc_ms * 1e-3) / 1e12, 2), "roofline_ms": round(roof_ms, 3)})
-        print(rows[-1], flush=True)
+        for mode in modes:
+            row = {"batch": name, "attention": mode, "images": len(grids), "patches": n,
+                   "tokens": sum(h * w // cfg.merge_area for _, h, w in grids), "roofline_ms": round(roof_ms, 3)}
+            try:
+                row.update(time_batch(enc, cfg, pixels, grids, mode, cuda, args))
+            except (RuntimeError, ValueError) as e:          # a path this torch or GPU lacks: say so, go on
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            if "encode_ms" in row:
+                row.update(ms_per_image=round(row["call_ms"] / len(grids), 3),
+                           images_per_s=round(len(grids) / row["call_ms"] * 1e3, 1),
+                           tflops=round(fl / (row["encode_ms"] * 1e-3) / 1e12, 2))
+            rows.append(row)
+            print(row, flush=True)
     print_table(f"vision encode ({'tiny' if args.tiny else 'K3 MoonViT'}, {str(dtype).removeprefix('torch.')})",
-                ceil, [("batch", "batch", 46, "s"), ("patches", "patches", 8, "d"), ("call ms", "call_ms", 9, ".2f"),
+                ceil, [("batch", "batch", 46, "s"), ("attention", "attention", 9, "s"), ("patches", "patches", 8, "d"),
+                       ("call ms", "call_ms", 9, ".2f"),
                        ("encode ms", "encode_ms", 10, ".2f"), ("ms/image", "ms_per_image", 9, ".2f"),
                        ("images/s", "images_per_s", 9, ".1f"), ("TFLOP/s", "tflops", 8, ".1f"),
                        ("roof ms", "roofline_ms", 8, ".2f"), ("ratio", "ratio:roofline_ms/encode_ms", 6, ".2f")],

@@ -1,7 +1,7 @@
 """Export the vision encoder to ONNX, one static graph per encoder patch capacity, and check each
 with onnxruntime against the eager encoder (k3trt/engine/vision_io.py is the graph contract).
 
-The graph is ``VisionEncoder.encode(masked=True)`` over a padded batch: attention is one SDPA
+The graph is ``VisionEncoder.encode(attention="masked")`` over a padded batch: attention is one SDPA
 under a same-image mask, so the graph has no data-dependent shapes and any mix of image sizes up
 to the capacity runs in it. Standard ONNX ops only (no k3trt plugin nodes).
 """
@@ -37,7 +37,7 @@ class EncoderGraph(nn.Module):
                             rope_pos=x["rope_pos"], segment=x["segment"], merge_dest=x["merge_dest"],
                             merge_weight=x["merge_weight"], num_patches=self.spec.capacity,
                             num_tokens=self.spec.capacity // area)
-        return self.encoder.encode(x["pixel_values"], batch, masked=True)
+        return self.encoder.encode(x["pixel_values"], batch, attention="masked")
 
 
 def example_grids(vcfg: VisionConfig, capacity: int, seed: int = 0) -> list[tuple[int, int, int]]:

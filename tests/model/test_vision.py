@@ -129,7 +129,7 @@ def test_padded_masked_batch_equals_per_image(encoder):
     padded[: len(pixels)] = pixels
     padded[len(pixels):] = 0.0                  # padding rows are zeros; NaN would show if any leaked out
     with torch.no_grad():
-        out = encoder.encode(padded, batch, masked=True)
+        out = encoder.encode(padded, batch, attention="masked")
         ref = encoder(pixels, torch.tensor(grids))
     assert out.shape == (512 // 4, VC.text_hidden_size)
     assert_close(out[: batch.num_tokens], ref, dtype=torch.float32)
@@ -144,6 +144,21 @@ def test_position_table_resampled_as_f_interpolate(encoder, grid):
     ref = ref[0].permute(1, 2, 0).reshape(h * w, -1)
     out = encoder.vision_tower.patch_embed.pos_emb(vision_batch(VC, [grid]))
     assert_close(out, ref, dtype=torch.float32)
+
+
+def test_attention_modes(encoder):
+    """On the CPU "auto" is per-image SDPA and varlen is refused with the reason."""
+    grids = GRIDS["several sizes"]
+    pixels = pixels_for(grids, seed=5)
+    batch = vision_batch(VC, grids)
+    with torch.no_grad():
+        ref = encoder.encode(pixels, batch, attention="masked")
+        assert_close(encoder.encode(pixels, batch), ref, dtype=torch.float32)
+        assert_close(encoder.encode(pixels, batch, attention="sdpa"), ref, dtype=torch.float32)
+        with pytest.raises(ValueError, match="needs torch.nn.attention.varlen and CUDA"):
+            encoder.encode(pixels, batch, attention="varlen")
+        with pytest.raises(ValueError, match="choose auto"):
+            encoder.encode(pixels, batch, attention="flash")
 
 
 def test_grid_and_input_errors(encoder):
@@ -282,9 +297,11 @@ def test_bad_vision_configs_name_the_field(edit, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("masked", [False, True])
-def test_bf16_on_the_gpu_matches_fp32(encoder, masked):
-    """Per-image SDPA (flash on the GPU) and the masked capacity path, bf16, against the fp32 CPU run."""
+@pytest.mark.parametrize("attention", ["varlen", "sdpa", "masked"])
+def test_bf16_on_the_gpu_matches_fp32(encoder, attention):
+    """Each attention path (varlen flash, per-image SDPA, the masked capacity path) in bf16 against
+    the fp32 CPU run."""
+    masked = attention == "masked"
     grids = GRIDS["several sizes"]
     pixels = pixels_for(grids, seed=11)
     with torch.no_grad():
@@ -294,5 +311,5 @@ def test_bf16_on_the_gpu_matches_fp32(encoder, masked):
         batch = vision_batch(VC, grids, capacity=512 if masked else None).to("cuda")
         padded = torch.zeros(batch.pos_index.shape[0], 3, 14, 14)
         padded[: len(pixels)] = pixels
-        out = gpu.encode(padded.to("cuda", torch.bfloat16), batch, masked=masked)[: batch.num_tokens]
+        out = gpu.encode(padded.to("cuda", torch.bfloat16), batch, attention=attention)[: batch.num_tokens]
     assert rel_norm_error(out.float().cpu(), ref) <= 2e-2

@@ -3,7 +3,7 @@
 ``forward(pixel_values [n_patches, 3, p, p], grid_thws int64 [n_images, 3])`` returns
 [sum of num_image_tokens, text hidden], the images' tokens in image order. ``encode`` takes the
 host metadata (geometry.vision_batch) instead of the grids, optionally padded to a capacity;
-the exported per-capacity graph is ``encode(masked=True)`` over a padded batch.
+the exported per-capacity graph is ``encode(attention="masked")`` over a padded batch.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ class VisionEncoder(nn.Module):
                              f"need {batch.num_patches}")
         return self.encode(pixel_values, batch.to(pixel_values.device))[: batch.num_tokens]
 
-    def encode(self, pixel_values: Tensor, batch: VisionBatch, masked: bool = False) -> Tensor:
+    def encode(self, pixel_values: Tensor, batch: VisionBatch, attention: str = "auto") -> Tensor:
         """pixel_values [P, 3, p, p] (P = batch rows) -> [P / (kh·kw), text hidden]; rows past
-        batch.num_tokens are padding."""
+        batch.num_tokens are padding. `attention`: tower.ATTENTION's ways, or "auto"; a padded
+        batch needs "masked"."""
         p = self.cfg.patch_size
         if tuple(pixel_values.shape[1:]) != (3, p, p):
             raise ValueError(f"pixel_values must be [patches, 3, {p}, {p}], got {tuple(pixel_values.shape)}")
-        x = self.vision_tower(pixel_values, batch, masked)
+        x = self.vision_tower(pixel_values, batch, attention)
         return self.mm_projector(merge(x, batch, pixel_values.shape[0]))

@@ -37,6 +37,8 @@ class VisionBatch:
     merge_weight: Tensor     # fp32 [P] 1 / frames (a token is the mean over its frames); 0 on padding
     num_patches: int         # real patches (the first num_patches rows)
     num_tokens: int          # merged tokens (the first num_tokens rows of the output)
+    cu_seqlens: Tensor | None = None     # int32 [images + 1] patch offsets (varlen attention)
+    max_len: int = 0                     # patches of the largest image
 
     @property
     def lengths(self) -> list[int]:
@@ -131,7 +133,10 @@ def vision_batch(cfg: VisionConfig, grids, capacity: int | None = None) -> Visio
         parts["md"].append(torch.zeros(pad, dtype=torch.long))
         parts["mw"].append(torch.zeros(pad))
     cat = {k: torch.cat(v) for k, v in parts.items()}
+    lengths = [t * h * w for t, h, w in grids]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     return VisionBatch(grids=grids, pos_index=cat["pi"], pos_weight=cat["pw"].float(), frame=cat["fr"].long(),
                        rope_pos=cat["rp"].long(), segment=cat["sg"].long(), merge_dest=cat["md"].long(),
-                       merge_weight=cat["mw"].float(), num_patches=P, num_tokens=token0)
+                       merge_weight=cat["mw"].float(), num_patches=P, num_tokens=token0, cu_seqlens=cu,
+                       max_len=max(lengths))
 
