@@ -125,14 +125,15 @@ def test_padded_masked_batch_equals_per_image(encoder):
     grids = GRIDS["several sizes"]
     pixels = pixels_for(grids, seed=7)
     batch = vision_batch(VC, grids, capacity=512)
-    padded = torch.full((512, 3, VC.patch_size, VC.patch_size), float("nan"))
+    padded = torch.zeros(512, 3, VC.patch_size, VC.patch_size)      # the graph contract: padding rows zero
     padded[: len(pixels)] = pixels
-    padded[len(pixels):] = 0.0                  # padding rows are zeros; NaN would show if any leaked out
     with torch.no_grad():
         out = encoder.encode(padded, batch, attention="masked")
         ref = encoder(pixels, torch.tensor(grids))
     assert out.shape == (512 // 4, VC.text_hidden_size)
     assert_close(out[: batch.num_tokens], ref, dtype=torch.float32)
+    with pytest.raises(ValueError, match="attention='masked'"):
+        encoder.encode(padded, batch, attention="sdpa")
 
 
 @pytest.mark.parametrize("grid", [(1, 4, 6), (1, 8, 8), (1, 12, 20), (1, 2, 2)])

@@ -37,5 +37,8 @@ class VisionEncoder(nn.Module):
         p = self.cfg.patch_size
         if tuple(pixel_values.shape[1:]) != (3, p, p):
             raise ValueError(f"pixel_values must be [patches, 3, {p}, {p}], got {tuple(pixel_values.shape)}")
+        if pixel_values.shape[0] != batch.num_patches and attention != "masked":
+            raise ValueError(f"a batch padded to {pixel_values.shape[0]} patches ({batch.num_patches} real) runs with "
+                             "attention='masked' (the other paths read only the real patches)")
         x = self.vision_tower(pixel_values, batch, attention)
         return self.mm_projector(merge(x, batch, pixel_values.shape[0]))
