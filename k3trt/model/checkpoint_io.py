@@ -288,7 +288,7 @@ class CheckpointReader:
 
     def skip_prefixes(self, prefixes: Iterable[str]) -> list[str]:
         """Mark every tensor whose name starts with one of `prefixes` as consumed without
-        reading it (for parts the model does not use yet, e.g. the vision tower), log what was
+        reading it (for parts of a checkpoint a model does not use), log what was
         skipped, and return those names. Prefixes match literally: end them with '.'."""
         if isinstance(prefixes, str):
             raise TypeError(f"skip_prefixes wants a list of prefixes, got the string {prefixes!r}")
