@@ -47,7 +47,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def image_patches(cfg: VisionConfig, image: Image.Image) -> tuple[Tensor, tuple[int, int, int]]:
     """One image -> (fp32 [h·w, 3, p, p] patches in row-major grid order, (1, h, w))."""
-    rgb = torch.from_numpy(np.asarray(to_rgb(image)).copy()).permute(2, 0, 1)[None]     # uint8 [1, 3, H, W]
+    # contiguous [1, 3, H, W] uint8, the layout the released processor resizes
+    rgb = torch.from_numpy(np.asarray(to_rgb(image)).copy()).permute(2, 0, 1)[None].contiguous()
     (h, w), (ph, pw) = resized_size(cfg, rgb.shape[2], rgb.shape[3])
     if (h, w) != tuple(rgb.shape[2:]):
         rgb = F.interpolate(rgb, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
