@@ -106,6 +106,17 @@ class EngineDir:
                                  f"there is no rank {rank}")
         return self.path / f"rank{rank}"
 
+    def check_layout(self, **asked: int | None) -> None:
+        """Refuse run-time options (tp, dcp, ep, dcp_interleave; None: not given) that differ from
+        the layout the weights were split for: the rank dirs hold fixed slices."""
+        for name, value in asked.items():
+            built = getattr(self.parallel, name)
+            if value is not None and value != built:
+                raise EngineDirError(
+                    f"--{name.replace('_', '-')} {value}: {self.path} was built for {self.parallel_text()} (its rank "
+                    f"dirs hold those slices); drop --{name.replace('_', '-')}, or build an engine dir for this layout: "
+                    f"`k3trt build CHECKPOINT --output DIR --backend torch --{name.replace('_', '-')} {value} ...`")
+
     def parallel_text(self) -> str:
         pc = self.parallel
         return f"tp={pc.tp} dcp={pc.dcp} ep={pc.ep} dcp_interleave={pc.dcp_interleave}"

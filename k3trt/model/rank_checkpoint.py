@@ -79,7 +79,7 @@ def _narrow_blocks(t: torch.Tensor, dim: int, r: range, block: int) -> torch.Ten
     return t.narrow(dim, start, -(-r.stop // block) - start)
 
 
-def _slice_linear(reader: CheckpointReader, module: str, part: Part) -> dict[str, torch.Tensor]:
+def slice_linear(reader: CheckpointReader, module: str, part: Part) -> dict[str, torch.Tensor]:
     """Rank `part` of linear weight `module` in its stored format where the cut falls on the
     format's blocks, else decoded to fp32 (module doc)."""
     fmt, shape, suffixes = inspect_linear_weight(reader, module)
@@ -132,7 +132,7 @@ def rank_tensors(reader: CheckpointReader, cfg: ModelConfig, pc: ParallelConfig)
             if part.dim is None or src.combine == "stack":
                 out.update({s: reader.get(s) for s in _stored(reader, name)})
             elif linear_like(name, p.shape):
-                out.update(_slice_linear(reader, name.removesuffix(".weight"), part))
+                out.update(slice_linear(reader, name.removesuffix(".weight"), part))
             else:
                 out.update(_slice_other(reader, name, part, src, tuple(p.shape)))
     return out

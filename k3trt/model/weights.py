@@ -132,10 +132,12 @@ def _check_shard(reader: CheckpointReader, pc: ParallelConfig | None) -> bool:
     if marker is None:
         return False
     if pc is None or marker != pc:
+        mine = "one process" if pc is None or pc.world_size == 1 else \
+            f"rank {pc.rank} of tp={pc.tp} dcp={pc.dcp} ep={pc.ep} dcp_interleave={pc.dcp_interleave}"
         raise WeightError(f"{reader.path} holds rank {marker.rank}'s slices of a tp={marker.tp} dcp={marker.dcp} "
-                          f"ep={marker.ep} engine, but the model is built for "
-                          f"{'one process' if pc is None else pc}: load it with that rank's ParallelConfig "
-                          f"(TorchComm), or load rank{pc.rank if pc else 0}/ of the engine dir built for this layout")
+                          f"ep={marker.ep} dcp_interleave={marker.dcp_interleave} engine, but the model is built "
+                          f"for {mine}: a multi-rank engine runs one process per rank (LLM and `k3trt run|serve` "
+                          f"start them), each loading its own rank dir with its rank's ParallelConfig")
     return True
 
 

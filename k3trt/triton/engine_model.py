@@ -59,7 +59,9 @@ class EngineModel:
         self.name, self.instance = cfg["name"], args.get("model_instance_name", cfg["name"])
         if int(params.get("torch_threads") or 0) > 0:
             torch.set_num_threads(int(params["torch_threads"]))
-        device = "cpu" if args.get("model_instance_kind") == "CPU" else f"cuda:{args['model_instance_device_id']}"
+        # KIND_MODEL: a multi-rank engine's one instance, whose ranks take GPUs 0..N-1 (repository.py)
+        kind = args.get("model_instance_kind")
+        device = {"CPU": "cpu", "MODEL": "cuda"}.get(kind) or f"cuda:{args['model_instance_device_id']}"
         mw = params.get("json_max_whitespace", "")
         self.json_max_whitespace = int(mw) if mw else None
         self.max_prompt_chars = int(params.get("max_prompt_chars") or DEFAULT_MAX_PROMPT_CHARS)
