@@ -92,6 +92,22 @@ def test_build_writes_each_rank_only_its_slices(variant_ckpt, tp2ep2):
             assert torch.equal(p, whole[name]), (pc.rank, name)
 
 
+def test_ranks_with_the_same_weights_share_their_files(variant_ckpt, tmp_path):
+    """TP 2 x DCP 4: ranks 2 and 3 hold ranks 0 and 1's weights (DCP splits the cache): hard links
+    inside the engine dir, each with its own index naming its rank."""
+    ed = read_engine_dir(build_engine(variant_ckpt, tmp_path / "engine", parallel=ParallelConfig(tp=2, dcp=4),
+                                      **SMALL))
+    assert ed.world_size == 4
+    for r in (2, 3):
+        for f in ed.rank_path(r - 2).glob("*.safetensors"):
+            assert (ed.rank_path(r) / f.name).stat().st_ino == f.stat().st_ino
+        with CheckpointReader(ed.rank_path(r)) as reader:
+            assert reader.metadata[SHARD_KEY]["rank"] == r
+    for pc, mine, sliced in _rank_models(variant_ckpt, ed):
+        whole = dict(sliced.named_parameters())
+        assert all(torch.equal(p, whole[n]) for n, p in mine.named_parameters()), pc.rank
+
+
 @pytest.mark.parametrize("quant", ["fp8", "mxfp4"])
 def test_quantized_checkpoints_split_equal_the_load_time_slices(quant, tmp_path):
     """mxfp4 experts stay packed in their EP rank's dir; fp8 projections cut off their 128-blocks
