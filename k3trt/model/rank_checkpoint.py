@@ -60,14 +60,11 @@ def read_marker(reader: CheckpointReader) -> ParallelConfig | None:
 
 def _stored(reader: CheckpointReader, name: str) -> list[str]:
     """The checkpoint tensors that hold `name` as stored (a linear weight: every tensor of its format)."""
-    if name in reader:
-        found = [name]
-    else:
-        found = []
+    names = [name] if name in reader else []
     if name.endswith(".weight"):
         module = name.removesuffix(".weight")
-        found += [f"{module}.{s}" for s in WEIGHT_SUFFIXES if f"{module}.{s}" in reader and f"{module}.{s}" != name]
-    return found
+        names += [n for n in (f"{module}.{s}" for s in WEIGHT_SUFFIXES) if n != name and n in reader]
+    return names
 
 
 def _aligned(r: range, block: int, full: int) -> bool:

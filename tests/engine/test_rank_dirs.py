@@ -95,9 +95,9 @@ def test_build_writes_each_rank_only_its_slices(variant_ckpt, tp2ep2):
 def test_ranks_with_the_same_weights_share_their_files(variant_ckpt, tmp_path):
     """TP 2 x DCP 4: ranks 2 and 3 hold ranks 0 and 1's weights (DCP splits the cache): hard links
     inside the engine dir, each with its own index naming its rank."""
-    ed = read_engine_dir(build_engine(variant_ckpt, tmp_path / "engine", parallel=ParallelConfig(tp=2, dcp=4),
-                                      **SMALL))
-    assert ed.world_size == 4
+    ed = read_engine_dir(build_engine(variant_ckpt, tmp_path / "engine",
+                                      parallel=ParallelConfig(tp=2, dcp=4, dcp_interleave=2), **SMALL))
+    assert (ed.world_size, ed.parallel.dcp_interleave) == (4, 2)
     for r in (2, 3):
         for f in ed.rank_path(r - 2).glob("*.safetensors"):
             assert (ed.rank_path(r) / f.name).stat().st_ino == f.stat().st_ino
