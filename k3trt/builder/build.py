@@ -99,7 +99,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     cfg = checks.check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
     pc = ParallelConfig(parallel.tp, parallel.dcp, parallel.ep, parallel.dcp_interleave) if parallel else ParallelConfig()
-    split.check_layout(cfg, pc, backend)
+    split.check_layout(cfg, pc, backend, block_size)
     validate_weights(checkpoint, cfg)                  # names, shapes, dtypes from the headers, before long work
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,

@@ -29,10 +29,13 @@ log = logging.getLogger(__name__)
 OPTIONS = {"tp": "--tp", "dcp": "--dcp", "ep": "--ep"}
 
 
-def check_layout(cfg: ModelConfig, pc: ParallelConfig, backend: str) -> None:
+def check_layout(cfg: ModelConfig, pc: ParallelConfig, backend: str, block_size: int) -> None:
     """Refuse a layout the backend or the model cannot run, naming the option and the field."""
     if pc.world_size == 1:
         return
+    if block_size % pc.dcp_interleave:
+        raise BuildError(f"--dcp-interleave {pc.dcp_interleave} does not divide --block-size {block_size}: each "
+                         "rank's cache page holds whole runs of interleaved tokens; pick an interleave that divides it")
     if backend != "torch":
         raise BuildError(f"--backend {backend} builds single-rank engines (its engines have no collectives yet: "
                          f"tensor parallelism needs an all-reduce plugin over NCCL); build the {pc.world_size}-rank "

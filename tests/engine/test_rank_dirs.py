@@ -158,6 +158,8 @@ def test_bad_layouts_are_refused_before_any_work_naming_the_field(variant_ckpt, 
     for ckpt, args, words in ((tiny_ckpt, ["--tp", "4"], ["--tp", "linear_attn_config.num_heads=2"]),
                               (variant_ckpt, ["--tp", "3"], ["--tp", "num_attention_heads=4"]),
                               (variant_ckpt, ["--ep", "3"], ["--ep", "num_experts=8"]),
+                              (variant_ckpt, ["--dcp", "2", "--dcp-interleave", "3"], ["--dcp-interleave 3",
+                                                                                      "--block-size 64"]),
                               (variant_ckpt, ["--tp", "2", "--backend", "onnx"], ["--backend onnx", "--backend torch"])):
         res = CliRunner().invoke(main, ["build", str(ckpt), "-o", str(out), "--backend", "torch", "--dtype", "fp32",
                                         *args])
