@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -86,11 +87,13 @@ def _encoder_capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | N
               help="GiB of memory on each target device: the build stops first if the weights cannot fit "
               "(default: the visible GPU's memory; no GPU, no check)")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="tensor-parallel ranks to plan the per-rank footprint for")
+              help="tensor-parallel ranks: heads, MLP widths and lm_head split (torch backend: one rank dir each)")
 @click.option("--dcp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="decode-context-parallel ranks to plan the per-rank cache for")
+              help="decode-context-parallel ranks: the MLA cache split by token")
 @click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
-              help="expert-parallel ranks to plan the per-rank footprint for")
+              help="expert-parallel ranks: routed experts in contiguous ranges")
+@click.option("--dcp-interleave", type=click.IntRange(min=1), default=1, show_default=True,
+              help="consecutive tokens on one DCP rank before the next")
 @click.option("--rtx-lowering", type=click.Choice(["plugin", "native"]), default="plugin", show_default=True,
               help="plugin: k3trt ops as layers of the k3trt plugin library (k3trt build-plugins); native: "
               "TensorRT-RTX's fallback without the library, the ops lowered to standard ONNX (dense MLA and "
@@ -98,20 +101,22 @@ def _encoder_capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | N
 @click.option("--encoder-capacities", callback=_encoder_capacity_list,
               help="vision encoder patch capacities, e.g. 1024,4096 (torch: recorded; onnx: one graph each)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
-              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep, rtx_lowering,
-              encoder_capacities) -> None:
+              block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep, dcp_interleave,
+              rtx_lowering, encoder_capacities) -> None:
     """Compile CHECKPOINT into an engine directory.
 
     OUTPUT may be an existing engine directory: it is replaced when the new one is complete, and
     capacities built from the same inputs (checkpoint, code, options, backend and target) are
-    reused rather than rebuilt, unless --force."""
+    reused rather than rebuilt, unless --force. With --tp/--dcp/--ep (torch backend) the engine
+    holds one rank{r}/ per rank of max(tp, dcp, ep), each with only that rank's slices."""
     from k3trt.builder.build import build_engine  # noqa: PLC0415 (heavy: torch, model code)
     from k3trt.parallel.config import ParallelConfig  # noqa: PLC0415 (heavy: torch)
     try:
         path = build_engine(checkpoint, output, backend=backend, capacities=capacities,
                             max_num_tokens=max_num_tokens, spec_tokens=spec_tokens, kv_dtype=kv_dtype,
                             dtype=dtype, block_size=block_size, target=target, check_onnx=check_onnx,
-                            force=force, workers=workers, parallel=ParallelConfig(tp=tp, dcp=dcp, ep=ep),
+                            force=force, workers=workers,
+                            parallel=ParallelConfig(tp=tp, dcp=dcp, ep=ep, dcp_interleave=dcp_interleave),
                             device_memory_gb=device_memory, echo=click.echo, rtx_lowering=rtx_lowering,
                             encoder_capacities=encoder_capacities)
     except (ValueError, FileExistsError, NotImplementedError, OSError, RuntimeError) as e:
@@ -133,6 +138,48 @@ def build_plugins_cmd(arch: str, force: bool) -> None:
     click.echo(str(path))
 
 
+def rank_options(f):
+    """--tp/--dcp/--ep (checked against the engine dir's layout, which is what runs) and --rank-timeout."""
+    f = click.option("--rank-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="seconds a collective may take before a multi-rank engine stops with an error "
+                     "(default: the runtime's, 300)")(f)
+    for name, what in (("ep", "expert"), ("dcp", "decode-context"), ("tp", "tensor")):
+        f = click.option(f"--{name}", type=click.IntRange(min=1), default=None,
+                         help=f"{what}-parallel ranks; must equal the engine dir's (default: read from it)")(f)
+    return f
+
+
+def _rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout) -> dict:
+    """Engine options for ENGINE_DIR's rank layout (read from its config.json), after checking that
+    --tp/--dcp/--ep match it and that a torchrun world has its size."""
+    from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
+    ed = read_engine_dir(engine_dir, verify_checksums=False)
+    ed.check_layout(tp=tp, dcp=dcp, ep=ep)
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and "RANK" in os.environ and int(world) != ed.world_size:
+        raise ValueError(f"torchrun started {world} processes; {engine_dir} runs on {ed.world_size} "
+                         f"({ed.parallel_text()}): start torchrun with --nnodes x --nproc-per-node = {ed.world_size}")
+    if rank_timeout is None:
+        return {}
+    if ed.world_size == 1:
+        logging.getLogger(__name__).info("--rank-timeout: %s runs on one rank; ignored", engine_dir)
+        return {}
+    return {"rank_timeout_s": rank_timeout}
+
+
+def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
+    """Under torchrun every process runs the same command: rank 0 goes on (it serves, or prints),
+    ranks > 0 only join the engine. Their LLM runs rank 0's steps on their shards and ends the
+    process when rank 0 closes the engine; True when this process was such a rank."""
+    if int(os.environ.get("RANK", "0")) == 0 or "WORLD_SIZE" not in os.environ:
+        return False
+    from k3trt.runtime.llm import LLM  # noqa: PLC0415 (heavy: torch, model code)
+    llm = LLM(engine_dir, device=device, **options)      # a worker rank returns only by SystemExit
+    llm.close()
+    raise ValueError(f"rank {os.environ['RANK']} of a torchrun world loaded {engine_dir} as a whole engine: "
+                     "this k3trt's runtime does not join a torchrun world (multi-rank runtime missing)")
+
+
 @main.command("run")
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompt", "-p", required=True)
@@ -149,14 +196,18 @@ def build_plugins_cmd(arch: str, force: bool) -> None:
               help="constrain the output to this EBNF grammar (a file; root rule `root`)")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
+@rank_options
 def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
-            regex, grammar, device, as_json) -> None:
-    """Generate from ENGINE_DIR."""
+            regex, grammar, device, as_json, tp, dcp, ep, rank_timeout) -> None:
+    """Generate from ENGINE_DIR (a multi-rank engine: its ranks run in processes of their own)."""
     from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
+        ranks = _rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout)
+        if _torchrun_worker(engine_dir, device, ranks):
+            return
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                   device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
-                  regex=regex, grammar=grammar)
+                  regex=regex, grammar=grammar, **ranks)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
@@ -179,9 +230,11 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@rank_options
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
-              speculative, spec_tokens) -> None:
-    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
+              speculative, spec_tokens, tp, dcp, ep, rank_timeout) -> None:
+    """Serve ENGINE_DIR over an OpenAI-compatible HTTP API. A multi-rank engine's ranks run in
+    processes of their own on this node; under torchrun rank 0 serves and the others are workers."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"max_batch": max_batch} if max_batch else {}
     if speculative != "none":
@@ -189,6 +242,9 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
     if spec_tokens is not None:
         opts["spec_tokens"] = spec_tokens
     try:
+        opts.update(_rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout))
+        if _torchrun_worker(engine_dir, device, opts):
+            return
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
                    max_queue=max_queue, engine_options=opts,
                    **({} if max_prompt_chars is None else {"max_prompt_chars": max_prompt_chars}))
@@ -209,13 +265,15 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
               help="characters of prompt text (messages, tools, text_input) past which a request is refused "
                    "before it is tokenized (default 1,000,000)")
 @click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
+@rank_options
 def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_env, max_prompt_chars,
-                    speculative) -> None:
-    """Write a Triton Inference Server model repository serving ENGINE_DIR."""
+                    speculative, tp, dcp, ep, rank_timeout) -> None:
+    """Write a Triton Inference Server model repository serving ENGINE_DIR (a multi-rank engine:
+    one instance owning all its ranks)."""
     from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
     from k3trt.triton import triton_repo_main  # noqa: PLC0415 (optional: serve extras)
-    opts = {"engine_options": {"speculative": speculative}} if speculative else {}
     try:
+        opts = _triton_engine_options(engine_dir, speculative, tp, dcp, ep, rank_timeout)
         backend = read_engine_dir(engine_dir, verify_checksums=False).backend
         device = _engine_device(backend, device)
         path = triton_repo_main(engine_dir, output, instances, max_batch, device=device,
@@ -240,15 +298,16 @@ def triton_repo_cmd(engine_dir, output, instances, max_batch, device, execution_
               help="characters of prompt text (messages, tools, text_input) past which a request is refused "
                    "before it is tokenized (default 1,000,000)")
 @click.option("--speculative", default=None, help="none | ngram | draft:DIR | mtp | layerskip:N")
+@rank_options
 def triton_serve_cmd(engine_dir, host, http_port, grpc_port, metrics_port, repo, instances, max_batch, device,
-                     max_prompt_chars, speculative) -> None:
+                     max_prompt_chars, speculative, tp, dcp, ep, rank_timeout) -> None:
     """Serve ENGINE_DIR with Triton Inference Server until Ctrl-C. The first run installs the
     tritonserver of nvidia-pytriton and a numpy<2 environment for its Python stub (cached under
     ~/.cache/k3trt/triton; the k3trt environment is not touched)."""
     from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
     from k3trt.triton.serve import triton_serve_main  # noqa: PLC0415 (optional: serve extras)
-    opts = {"engine_options": {"speculative": speculative}} if speculative else {}
     try:
+        opts = _triton_engine_options(engine_dir, speculative, tp, dcp, ep, rank_timeout)
         device = _engine_device(read_engine_dir(engine_dir, verify_checksums=False).backend, device)
         code = triton_serve_main(engine_dir, repo=repo, host=host, http_port=http_port, grpc_port=grpc_port,
                                  metrics_port=metrics_port, instances=instances, max_batch=max_batch,
@@ -256,6 +315,12 @@ def triton_serve_cmd(engine_dir, host, http_port, grpc_port, metrics_port, repo,
     except (ValueError, OSError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     sys.exit(code)
+
+
+def _triton_engine_options(engine_dir, speculative, tp, dcp, ep, rank_timeout) -> dict:
+    engine = {"speculative": speculative} if speculative else {}
+    engine.update(_rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout))
+    return {"engine_options": engine} if engine else {}
 
 
 # where each engine dir backend runs: the Triton instances' kind (auto: the first)

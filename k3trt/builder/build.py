@@ -3,7 +3,8 @@
 torch            the "engine" is a copy of the checkpoint (config + safetensors shards; a reflink where
                  the filesystem allows, never a hard link: engine/writer.copy_owned) under rank0/,
                  loaded at run time by the one strict loader (k3trt.model.loader), plus the build
-                 options and capacity plan.
+                 options and capacity plan; with `parallel` over several ranks, one rank{r}/ per
+                 rank holding only its slices of the weights (builder/split.py).
 onnx             rank0/ holds one ONNX graph per capacity (k3trt ops as custom nodes) and the shared
                  weights, the graphs the TensorRT backends build from; run by onnxruntime on the CPU.
 tensorrt(-rtx)   rank0/ holds one ONNX graph and one engine per capacity and the shared weights
@@ -36,7 +37,7 @@ import torch
 
 import k3trt
 from k3trt.builder import backends as checks
-from k3trt.builder import rank
+from k3trt.builder import rank, split
 from k3trt.builder.tensorrt import BuildOptions
 from k3trt.engine import backends as registry
 from k3trt.engine.backends import BACKENDS
@@ -83,6 +84,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     to max_num_tokens (engine/capacities.py). `output` may be an existing engine dir: it is
     replaced once the new one is complete, reusing unchanged capacities' engines unless `force`
     (module doc). `workers`: processes building capacities in parallel (engine backends).
+    `parallel` (torch backend): the ranks the engine is split over, one rank dir each; checked
+    against the model before anything else.
     Before any long work the build reports the model's footprint (parameters, weight bytes per
     device, or per rank of `parallel`; the cache plan) through the log and `echo`, and stops with
     DoesNotFitError when the weights exceed `device_memory_gb` (GiB; default: the visible GPU's memory;
@@ -96,6 +99,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     cfg = checks.check_checkpoint(checkpoint)          # a K3 config.json and weights, or a message saying why not
+    pc = ParallelConfig(parallel.tp, parallel.dcp, parallel.ep, parallel.dcp_interleave) if parallel else ParallelConfig()
+    split.check_layout(cfg, pc, backend, block_size)
     validate_weights(checkpoint, cfg)                  # names, shapes, dtypes from the headers, before long work
     model_raw = json.loads((checkpoint / "config.json").read_text())
     build = BuildConfig(dtype=_dtype_name(dtype), kv_dtype=kv_dtype, block_size=block_size,
@@ -121,6 +126,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, *, backend: str = "
                           lowering=rtx_lowering)
     if workers > 1:
         log.info("--workers applies to engine backends; the torch backend copies the checkpoint")
+    if pc.world_size > 1:
+        return _build_split(checkpoint, output, cfg=cfg, pc=pc, model_raw=model_raw, build=build, caps=caps)
     with CheckpointReader(checkpoint) as reader:     # headers and index only: cheap, catches broken shards
         weights = set(reader.shards)
     _check_copy_disk(checkpoint, output)
@@ -151,6 +158,24 @@ def _encoder_capacities(cfg, backend: str, capacities: Sequence[int], build: Bui
     caps = tuple(capacities)
     encoder_specs(cfg.vision, caps, build.torch_dtype)       # multiples of the merge kernel, or a clear error
     return caps
+
+
+def _build_split(checkpoint: Path, output: Path, *, cfg, pc: ParallelConfig, model_raw: dict, build: BuildConfig,
+                 caps: Capacities) -> Path:
+    """A torch engine over pc.world_size ranks: rank{r}/ with rank r's slices, and the tokenizer."""
+    split.check_split_disk(checkpoint, output, pc)
+    log.info("building a %d-rank torch engine from %s (tp %d, dcp %d, ep %d, dcp interleave %d)", pc.world_size,
+             checkpoint, pc.tp, pc.dcp, pc.ep, pc.dcp_interleave)
+
+    def populate(tmp: Path) -> None:
+        split.write_ranks(checkpoint, tmp, cfg, pc)
+        (tmp / "tokenizer").mkdir()
+        for f in sorted(p for p in checkpoint.iterdir() if p.is_file()):
+            if not (f.name in WEIGHT_FILES or SHARD_RE.fullmatch(f.name)):
+                copy_owned(f, tmp / "tokenizer" / f.name)
+
+    return write_engine_dir(output, backend="torch", target=None, model_raw=model_raw, build=build,
+                            capacities=caps, populate=populate, parallel=pc)
 
 
 def report_footprint(fp: Footprint, device_memory_gb: float | None, echo: Callable[[str], None] | None) -> None:

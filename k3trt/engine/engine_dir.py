@@ -1,19 +1,24 @@
 """The engine directory: everything the runtime needs, described by one versioned config.json.
 
-    ENGINE_DIR/config.json   {"format_version": 2, "k3trt_version", "backend", "target",
+    ENGINE_DIR/config.json   {"format_version": 3, "k3trt_version", "backend", "target",
                               "model": the checkpoint's config.json (as read),
                               "build": BuildConfig (+ "plugin_library"), "capacities": Capacities,
+                              "parallel": {"tp", "dcp", "ep", "dcp_interleave"},
                               "files": {relative path: sha256 hex}, "inputs" (optional),
                               "config_sha256": digest of all the above (config_digest)}
     ENGINE_DIR/rank0/        backend files (torch: copies of the checkpoint's config + shards)
+    ENGINE_DIR/rank{r}/      a multi-rank torch engine (world size max(tp, dcp, ep) > 1): one per
+                             rank, each a checkpoint of that rank's slices only (model/rank_checkpoint.py)
     ENGINE_DIR/tokenizer/    tokenizer files + chat template (optional)
 
 This module reads and verifies a directory (``read_engine_dir``) and owns the config.json
 document (``engine_config``); writing one atomically under the build lock is engine/writer.py.
 Reading checks, in order: the format version; config.json's own digest (an edited model, build,
-capacities or files block is refused); the backend; that ``rank0/config.json`` (what the torch
-loader reads) equals the model block; that every file in the directory is listed (an unlisted
-or symlinked file is refused, by name); every listed file's checksum. Each refusal says what to
+capacities or files block is refused); the backend; the parallel block against the model; that
+every ``rank{r}/config.json`` (what the torch loader reads) equals the model block; that every
+file in the directory is listed (an unlisted or symlinked file is refused, by name); every listed
+file's checksum (``rank=r``: only the shared files' and rank r's, so that a rank reads only its
+own weights). Each refusal says what to
 do. The engine dir owns its files (builder/build.py copies the checkpoint's), so rebuilding
 from the checkpoint is always a correct remedy for a damaged engine dir.
 
@@ -43,11 +48,12 @@ from k3trt.config import ModelConfig
 from k3trt.engine.backends import BACKENDS, runnable_here
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
+from k3trt.parallel.config import ParallelConfig, ParallelConfigError
 from k3trt.trt_plugin.loader import PluginLibraryError, find_library
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CONFIG_NAME = "config.json"
 DIGEST_KEY = "config_sha256"
 REBUILD = "rebuild it with `k3trt build CHECKPOINT --output DIR`"
@@ -73,6 +79,7 @@ class EngineDir:
     k3trt_version: str
     inputs: dict[str, Any] = field(default_factory=dict)   # what the build was made from (see module doc)
     plugin_library: dict[str, Any] | None = None           # the plugin library's record (see module doc)
+    parallel: ParallelConfig = ParallelConfig()            # the ranks the weights are split over (rank 0's view)
 
     def plugin_library_path(self) -> Path | None:
         """The engines' plugin library on this machine, checked (EngineDirError if missing or
@@ -86,7 +93,33 @@ class EngineDir:
 
     @property
     def rank_dir(self) -> Path:
-        return self.path / "rank0"
+        return self.rank_path(0)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    def rank_path(self, rank: int) -> Path:
+        """The directory of rank `rank`'s files (a multi-rank torch engine: its slices of the weights)."""
+        if not 0 <= rank < self.world_size:
+            raise EngineDirError(f"{self.path} holds ranks 0..{self.world_size - 1} ({self.parallel_text()}); "
+                                 f"there is no rank {rank}")
+        return self.path / f"rank{rank}"
+
+    def check_layout(self, **asked: int | None) -> None:
+        """Refuse run-time options (tp, dcp, ep, dcp_interleave; None: not given) that differ from
+        the layout the weights were split for: the rank dirs hold fixed slices."""
+        for name, value in asked.items():
+            built = getattr(self.parallel, name)
+            if value is not None and value != built:
+                raise EngineDirError(
+                    f"--{name.replace('_', '-')} {value}: {self.path} was built for {self.parallel_text()} (its rank "
+                    f"dirs hold those slices); drop --{name.replace('_', '-')}, or build an engine dir for this layout: "
+                    f"`k3trt build CHECKPOINT --output DIR --backend torch --{name.replace('_', '-')} {value} ...`")
+
+    def parallel_text(self) -> str:
+        pc = self.parallel
+        return f"tp={pc.tp} dcp={pc.dcp} ep={pc.ep} dcp_interleave={pc.dcp_interleave}"
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -115,22 +148,31 @@ def config_digest(doc: dict[str, Any]) -> str:
 
 def engine_config(*, backend: str, target: str | None, model_raw: dict[str, Any], build: BuildConfig,
                   capacities: Capacities, files: dict[str, str], inputs: dict[str, Any] | None = None,
-                  plugin_library: dict[str, Any] | None = None) -> dict:
+                  plugin_library: dict[str, Any] | None = None, parallel: ParallelConfig | None = None) -> dict:
     """The config.json document of an engine dir (what read_engine_dir parses back)."""
     build_doc = dataclasses.asdict(build)
     if plugin_library is not None:
         build_doc["plugin_library"] = dict(plugin_library)
     config = {"format_version": FORMAT_VERSION, "k3trt_version": k3trt.__version__, "backend": backend,
               "target": target, "model": model_raw, "build": build_doc,
-              "capacities": capacities.to_dict(), "files": files}
+              "capacities": capacities.to_dict(), "parallel": parallel_doc(parallel or ParallelConfig()),
+              "files": files}
     if inputs:
         config["inputs"] = inputs
     config[DIGEST_KEY] = config_digest(config)
     return config
 
 
-def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_checksums: bool = True) -> EngineDir:
-    """Load and check an engine dir; `backend` is the backend the caller can run (None: any)."""
+def parallel_doc(pc: ParallelConfig) -> dict[str, int]:
+    """config.json's parallel block: the layout, not a rank."""
+    return {"tp": pc.tp, "dcp": pc.dcp, "ep": pc.ep, "dcp_interleave": pc.dcp_interleave}
+
+
+def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_checksums: bool = True,
+                    rank: int | None = None) -> EngineDir:
+    """Load and check an engine dir; `backend` is the backend the caller can run (None: any).
+    `rank`: the caller is that rank of a multi-rank engine and verifies the checksums of the
+    shared files and its own rank dir only (None: every file)."""
     path = Path(path)
     cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
@@ -163,16 +205,20 @@ def read_engine_dir(path: str | Path, *, backend: str | None = None, verify_chec
                        build=BuildConfig(**build), plugin_library=plugin_library,
                        capacities=Capacities.from_dict(raw["capacities"]),
                        files=dict(raw["files"]), k3trt_version=raw.get("k3trt_version", "?"),
-                       inputs=dict(raw.get("inputs") or {}))
+                       inputs=dict(raw.get("inputs") or {}), parallel=ParallelConfig(**raw["parallel"]))
     except (KeyError, TypeError, ValueError) as e:
         raise EngineDirError(f"{cfg_path} is malformed ({type(e).__name__}: {e}); {REBUILD}") from None
+    _check_parallel(ed)
+    if rank is not None:
+        ed.rank_path(rank)              # refuses a rank the engine does not have
     _check_listing(ed)
+    others = {f"rank{r}/" for r in range(ed.world_size) if r != rank} if rank is not None else set()
     for rel, digest in ed.files.items():
         f = path / rel
         if not f.is_file():
             raise EngineDirError(f"{path}: file {rel} listed in {CONFIG_NAME} is missing (incomplete copy?); "
                                  f"copy the whole directory again from an intact engine dir, or {REBUILD_DAMAGED}")
-        if verify_checksums:
+        if verify_checksums and not rel.startswith(tuple(others)):
             log.info("verifying %s (%.1f MiB)", rel, f.stat().st_size / 2**20)
             if sha256_file(f) != digest:
                 raise EngineDirError(f"{path}: checksum of {rel} does not match {CONFIG_NAME} (the file was "
@@ -219,19 +265,37 @@ def _check_listing(ed: EngineDir) -> None:
                              f"{'them' if len(unlisted) > 1 else 'it'}, or {REBUILD_DAMAGED}")
 
 
-def _check_rank_config(ed: EngineDir) -> None:
-    """The torch loader reads rank0/config.json; the runtime's model settings are the model block:
-    the two must be one document."""
-    rank_cfg = ed.rank_dir / CONFIG_NAME
-    if f"rank0/{CONFIG_NAME}" not in ed.files:
-        return
+def _check_parallel(ed: EngineDir) -> None:
+    """A multi-rank engine is a torch engine whose layout fits its model, with a directory per
+    rank and none beyond."""
+    if ed.world_size > 1 and ed.backend != "torch":
+        raise EngineDirError(f"{ed.path}: a {ed.backend} engine split over {ed.world_size} ranks "
+                             f"({ed.parallel_text()}); only torch engines run on several ranks: {REBUILD}")
     try:
-        same = json.loads(rank_cfg.read_text()) == ed.model_raw
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        same = False
-    if not same:
-        raise EngineDirError(f"{ed.path}: rank0/{CONFIG_NAME} differs from the model block of {CONFIG_NAME}; "
-                             f"{REBUILD_DAMAGED}")
+        ed.parallel.validate(ed.model)
+    except ParallelConfigError as e:
+        raise EngineDirError(f"{ed.path}: its parallel block does not fit its model: {e}; {REBUILD}") from None
+    ranks = {rel.split("/", 1)[0] for rel in ed.files if rel.startswith("rank")}
+    want = {f"rank{r}" for r in range(ed.world_size)}
+    if ranks - want or (ed.backend == "torch" and want - ranks):
+        raise EngineDirError(f"{ed.path}: its files block lists rank dirs {sorted(ranks)} but the engine has "
+                             f"{ed.world_size} rank(s) ({ed.parallel_text()}); {REBUILD_DAMAGED}")
+
+
+def _check_rank_config(ed: EngineDir) -> None:
+    """The torch loader reads rank{r}/config.json; the runtime's model settings are the model
+    block: they must be one document."""
+    for r in range(ed.world_size):
+        rel = f"rank{r}/{CONFIG_NAME}"
+        if rel not in ed.files:
+            continue
+        try:
+            same = json.loads((ed.path / rel).read_text()) == ed.model_raw
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            same = False
+        if not same:
+            raise EngineDirError(f"{ed.path}: {rel} differs from the model block of {CONFIG_NAME}; "
+                                 f"{REBUILD_DAMAGED}")
 
 
 def _trt_refusal(path: Path, backend: str, target: str | None) -> str:

@@ -31,6 +31,7 @@ from k3trt.engine.backends import BACKENDS
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.engine_dir import CONFIG_NAME, engine_config, is_engine_dir, sha256_file
+from k3trt.parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +146,16 @@ def _kernel_copy(fin, fout) -> None:
 
 def write_engine_dir(output: str | Path, *, backend: str, target: str | None, model_raw: dict[str, Any],
                      build: BuildConfig, capacities: Capacities, populate: Callable[[Path], Any],
-                     inputs: dict[str, Any] | None = None, plugin_library: dict[str, Any] | None = None) -> Path:
+                     inputs: dict[str, Any] | None = None, plugin_library: dict[str, Any] | None = None,
+                     parallel: ParallelConfig | None = None) -> Path:
     """`populate(tmp)` puts the backend and tokenizer files under tmp (and may return
     {relative path: sha256} of files it already verified, which are not hashed again); then every
     file is hashed, config.json written, and tmp renamed to `output`. `output` must not exist, be
     empty, or be an engine dir (which is replaced once the new one is complete; `populate` may
     read it until then). `inputs` is written into config.json after populate ran (populate may
     fill it in). `plugin_library`: the record of the plugin library the engines contain
-    (loader.PluginLibrary.record)."""
+    (loader.PluginLibrary.record). `parallel`: the layout of a multi-rank engine (one rank{r}/
+    per rank under tmp)."""
     output = Path(output)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {BACKENDS}")
@@ -171,7 +174,7 @@ def write_engine_dir(output: str | Path, *, backend: str, target: str | None, mo
                 files[rel] = sha256_file(p)
             config = engine_config(backend=backend, target=target, model_raw=model_raw, build=build,
                                    capacities=capacities, files=files, inputs=inputs,
-                                   plugin_library=plugin_library)
+                                   plugin_library=plugin_library, parallel=parallel)
             (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             _replace(tmp, output)
         except BaseException:

@@ -23,6 +23,9 @@ from k3trt.model.checkpoint_io import INDEX_NAME, SINGLE_NAME, CheckpointError, 
 from k3trt.model.k3 import K3ForCausalLM
 from k3trt.model.layout import PREFIX_ALIASES, checkpoint_prefix, copy_of, source, template, tensor_prefix
 from k3trt.model.quant import WEIGHT_SUFFIXES, inspect_linear_weight
+from k3trt.parallel.comm import SINGLE, Comm
+from k3trt.parallel.config import ParallelConfig
+from k3trt.parallel.shard import param_part
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +77,19 @@ class Expected:
     stored: tuple[int, ...]
 
 
-def expected_tensors(cfg: ModelConfig) -> list[Expected]:
-    """Every checkpoint tensor the config's model needs (whole, unsharded), from a meta model."""
+def expected_tensors(cfg: ModelConfig, pc: ParallelConfig | None = None) -> list[Expected]:
+    """Every checkpoint tensor the config's model needs, from a meta model: whole, or with `pc`
+    rank pc.rank's slices as its rank dir holds them (model/rank_checkpoint.py)."""
     with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
+        model = K3ForCausalLM(cfg, Comm(pc) if pc is not None else SINGLE)
     out = []
     for pname, p in model.named_parameters():
         src, shape = source(pname, cfg), tuple(p.shape)
         prefix = tensor_prefix(src, cfg)
         if src.combine == "stack":
-            out += [Expected(pname, (prefix + n,), shape[1:], shape[1:]) for n in src.names]
+            part = param_part(pname, pc) if pc is not None else None
+            mine = part.range(len(src.names)) if part is not None and part.dim == 0 else range(len(src.names))
+            out += [Expected(pname, (prefix + src.names[e],), shape[1:], shape[1:]) for e in mine]
         elif src.combine == "cat":
             out += [Expected(pname, (prefix + n,), (s, *shape[1:]), (s, *shape[1:]))
                     for n, s in zip(src.names, src.rule.split(cfg))]
@@ -163,11 +169,12 @@ def _check_one(reader, exp: Expected, name: str, used: set[str], report: Report)
         report.wrong.append((name, msg))
 
 
-def check_reader(reader: CheckpointReader, cfg: ModelConfig) -> Report:
-    """Check every tensor name, shape and dtype of `reader`'s index against `cfg`'s model."""
+def check_reader(reader: CheckpointReader, cfg: ModelConfig, pc: ParallelConfig | None = None) -> Report:
+    """Check every tensor name, shape and dtype of `reader`'s index against `cfg`'s model (with
+    `pc`: against rank pc.rank's slices, for a rank dir)."""
     report, used, known, nearest = Report(str(reader.path)), set(), set(), {}
     prefix = checkpoint_prefix(cfg)
-    for exp in expected_tensors(cfg):
+    for exp in expected_tensors(cfg, pc):
         known.update(template(n) for n in exp.names)
         report.params += int(torch.Size(exp.shape).numel())
         name = pick_name(reader, exp.names)

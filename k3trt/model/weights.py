@@ -12,7 +12,9 @@ With a ParallelConfig, each rank loads its shard (k3trt/parallel/shard.py says w
 tensor): the slice is cut from the memory-mapped tensor before it is converted, so only its bytes
 are read; another EP rank's experts are marked consumed without reading them. Quantized (fp8 /
 mxfp4) weights are dequantized whole before the cut; K3's mxfp4 tensors are per-expert, so EP
-still reads only its own.
+still reads only its own. A rank dir of a multi-rank engine (model/rank_checkpoint.py: its index
+carries the shard marker) holds the slices already: they are read as they are, checked against
+the rank's shapes, and a model built for another shard is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from k3trt.model.checkpoint_check import WeightError, check_reader, linear_like,
 from k3trt.model.checkpoint_io import CheckpointReader
 from k3trt.model.layout import Source, checkpoint_prefix, copy_of, source, tensor_prefix
 from k3trt.model.quant import WEIGHT_SUFFIXES, load_linear_weight, quantize_for_checkpoint
+from k3trt.model.rank_checkpoint import read_marker
 from k3trt.parallel.config import ParallelConfig
 from k3trt.parallel.shard import WHOLE, Part, ShardError, param_part
 
@@ -76,7 +79,8 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
     checkpoint at `ckpt_dir`, strictly. With `pc`, `model` is rank pc.rank's shard (built with a
     Comm of that config) and gets its slice of every tensor."""
     with open_checkpoint(ckpt_dir, cfg) as reader:
-        check_reader(reader, cfg).raise_if_bad()
+        presliced = _check_shard(reader, pc)
+        check_reader(reader, cfg, pc if presliced else None).raise_if_bad()
         params = dict(model.named_parameters())
         for i, (pname, p) in enumerate(params.items()):
             src = source(pname, cfg)
@@ -84,13 +88,16 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
             part = param_part(pname, pc) if pc is not None and pc.world_size > 1 else WHOLE
             if src.combine == "one":
                 name = pick_name(reader, [prefix + n for n in (*src.names, *src.also)])
-                t = _read(reader, name, part.full_shape(p.shape), p.dtype, pname, part, src)
+                if presliced:
+                    t = _read(reader, name, p.shape, p.dtype, pname, WHOLE, src)
+                else:
+                    t = _read(reader, name, part.full_shape(p.shape), p.dtype, pname, part, src)
             elif src.combine == "stack":
                 if part.dim not in (None, 0):
                     raise ShardError(f"'{pname}': stacked experts split only along dim 0 (experts)")
                 mine = part.range(len(src.names))                  # this rank's experts
                 for e, n in enumerate(src.names):
-                    if e not in mine:
+                    if e not in mine and not presliced:
                         _skip(reader, prefix + n, pname)
                 t = torch.stack([_read(reader, prefix + src.names[e], p.shape[1:], p.dtype, pname) for e in mine])
             elif part.dim is not None:
@@ -115,6 +122,21 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, cfg: ModelConfig,
             more = f" (and {len(left) - 10} more)" if len(left) > 10 else ""
             raise WeightError(f"checkpoint {ckpt_dir}: {len(left)} unexpected tensors not used by the model: "
                               f"{', '.join(left[:10])}{more}")
+
+
+def _check_shard(reader: CheckpointReader, pc: ParallelConfig | None) -> bool:
+    """Whether `reader` is a rank dir (its tensors pre-sliced); refuses one of another shard."""
+    marker = read_marker(reader)
+    if marker is None:
+        return False
+    if pc is None or marker != pc:
+        mine = "one process" if pc is None or pc.world_size == 1 else \
+            f"rank {pc.rank} of tp={pc.tp} dcp={pc.dcp} ep={pc.ep} dcp_interleave={pc.dcp_interleave}"
+        raise WeightError(f"{reader.path} holds rank {marker.rank}'s slices of a tp={marker.tp} dcp={marker.dcp} "
+                          f"ep={marker.ep} dcp_interleave={marker.dcp_interleave} engine, but the model is built "
+                          f"for {mine}: a multi-rank engine runs one process per rank (LLM and `k3trt run|serve` "
+                          f"start them), each loading its own rank dir with its rank's ParallelConfig")
+    return True
 
 
 def checkpoint_tensors(model: nn.Module, cfg: ModelConfig, quant: str = "none") -> dict[str, torch.Tensor]:

@@ -16,6 +16,10 @@ within 5e-5 for TP 2, DCP 2 (interleave 1, 4), DCP 4, EP 2, TP2 × DCP2 × EP2, 
 TP4 × DCP4 × EP4 and TP4 × DCP2 × EP4 on the tiny preset with 4 KDA heads, over chunked prefill,
 decode, verification with KDA rollback, and the MTP layer; the sharded loader on the tiny
 preset's own checkpoints (bf16 and mxfp4). launch.py ran on CPU (spawn and torchrun, gloo).
+`k3trt build --tp/--dcp/--ep` writes one pre-sliced rank{r}/ per rank (builder/split.py,
+model/rank_checkpoint.py), loaded equal to the loader's own cut (bf16, fp8, mxfp4;
+tests/engine/test_rank_dirs.py); the CLI, /health's 503 and the Triton repository of a multi-rank
+engine ran on CPU too.
 
 Not run here, for the multi-GPU machine (nvidia-h200-x2/-x4/-x8; launch.py forces
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1):
@@ -29,7 +33,15 @@ NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1):
    Not run on any GPU yet: NCCL collectives through TorchComm, the Triton mla_verify kernel with
    dcp_size > 1, and with long q_per_req (DCP prefill chunks go through it, one call per
    sequence), merge_attn_states' Triton kernel inside the DCP merge.
-2. benchmarks/e2e.py (not in the repository yet) at TP8 + DCP8 (+ EP8) on the medium preset with
+2. the engine end to end over NCCL; no more code, only the commands (README "Multi-GPU"):
+     k3trt make-checkpoint --preset medium --output CKPT --device cuda
+     k3trt build CKPT --output ENG --backend torch --tp 8 --dcp 8 --ep 8
+     k3trt run ENG --prompt Hello --device cuda --max-tokens 32 --json    (the same tokens as a
+         --tp 1 build of CKPT with --dtype fp32 on both)
+     k3trt serve ENG --device cuda        k3trt triton-serve ENG --device cuda
+     torchrun --nnodes 2 --nproc-per-node 8 ... -m k3trt serve ENG16 --device cuda  (two nodes,
+         ENG16 built with --tp 16 --dcp 16 --ep 16)
+3. benchmarks/e2e.py (not in the repository yet) at TP8 + DCP8 (+ EP8) on the medium preset with
    more layers, the per-step roofline counting collective bytes: per MLA layer q all-gather
    (D-1)·T·H_l·576·b and partial
    (out, lse) all-gather (D-1)·T·H_g·(512·b+4) (attention.py), per layer one TP all-reduce of
@@ -37,7 +49,7 @@ NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1):
    of [T, latent], and the logits all-gather [rows, V]. That needs the runtime (k3trt/runtime,
    not touched here) to own one model shard per rank: rank-local caches (cache.allocate_cache),
    per-rank block tables and dcp_slot_mapping, and the scheduler's decisions broadcast from rank 0.
-3. Measure the cheaper DCP merge (lse all-gather + reduce-scatter of rescaled outs) against the
+4. Measure the cheaper DCP merge (lse all-gather + reduce-scatter of rescaled outs) against the
    all-gather + merge_attn_states used now. TensorRT engines have no collectives yet: TP engines
    would need a k3trt all-reduce plugin over NCCL (as TensorRT-LLM has); only the torch backend
    runs parallel.

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from k3trt.serve import metrics
 from k3trt.serve.adapt import Submission, chat_submission, completion_submission
-from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
+from k3trt.serve.engine_loop import EngineLoop, Overloaded, engine_health, finish_unless
 from k3trt.serve.guided import compile_guided
 from k3trt.serve.output import ChoiceStream, Update
 from k3trt.serve.prompts import PromptWorkers
@@ -140,6 +140,8 @@ async def _completions(request: Request, chat: bool) -> Response:
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
                        param="model", code="model_not_found")
     llm = st.llm
+    if st.engine.unavailable:
+        raise _unavailable(st.engine.unavailable)
     if chat:        # the body's size stands in for the prompt's: it bounds it
         sub = await st.prompts.plan(chat_submission, len(raw), req, llm.tokenizer, max_model_len=llm.max_model_len,
                                     json_max_whitespace=st.json_max_whitespace)
@@ -190,7 +192,7 @@ async def _stream(run: Run, env: Envelope, sub: Submission, include_usage: bool,
             yield sse(env.head([{"index": cs.index, "text": text, "logprobs": None, "finish_reason": None}]))
     async for cs, upd in run.updates():
         if cs.finish_reason == "error":
-            yield sse(APIError(500, cs.error or "generation failed", type="server_error").body())
+            yield sse(_generation_error(run.engine, cs.error).body())
             return
         for chunk in env.chunks(cs, upd, offsets.get(cs.index, 0)):
             yield sse(chunk)
@@ -217,7 +219,7 @@ async def _whole(run: Run, env: Envelope, sub: Submission, request: Request, tok
     streams = list(run.streams.values())
     for cs in streams:
         if cs.finish_reason == "error":
-            raise APIError(500, cs.error or "generation failed", type="server_error")
+            raise _generation_error(run.engine, cs.error)
     echo = {cs.index: tok.decode(sub.prompt_of(cs.index)) for cs in streams} if sub.echo else None
     return JSONResponse(env.whole(streams, logprobs, usage(sum(map(len, sub.prompts)), streams), echo))
 
@@ -235,9 +237,28 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
+def _unavailable(reason: str) -> APIError:
+    return APIError(503, f"The engine is unavailable: {reason}", type="server_error", code="engine_unavailable")
+
+
+def _generation_error(engine: EngineLoop, error: str | None) -> APIError:
+    """A request that ended in an engine fault: 503 once the engine cannot run (a stopped
+    multi-rank engine), else 500."""
+    if engine.unavailable:
+        return _unavailable(engine.unavailable)
+    return APIError(500, error or "generation failed", type="server_error")
+
+
 async def health(request: Request) -> Response:
-    ok = request.app.state.k3.engine.alive
-    return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+    st = request.app.state.k3
+    if not st.engine.alive:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    # off the event loop: a multi-rank engine's check may wait briefly for a failed rank's report
+    h = await asyncio.to_thread(engine_health, st.llm)
+    if not h["ok"]:
+        return JSONResponse({"status": "engine unavailable", "error": h.get("error"), "ranks": h.get("ranks")},
+                            status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 async def prometheus(request: Request) -> Response:

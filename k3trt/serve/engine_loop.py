@@ -7,6 +7,9 @@ side (`admit` / `release`), so the bound on queued work needs no lock: past it, 
 
 A step that raises is an engine fault, not a request's: every request in flight is failed (its
 queue gets a finished output with finish_reason "error"), the fault is logged, the loop goes on.
+When the LLM's health (``llm.health()``, where it has one: a multi-rank engine) then says it is
+not ok (a rank died, hung or failed: RankFailure), the engine is unavailable: ``unavailable``
+holds the reason, the routes answer 503 with it, and /health says so; the server stays up.
 """
 
 from __future__ import annotations
@@ -34,11 +37,24 @@ def failed(request_id: str, message: str) -> RequestOutput:
     return RequestOutput(request_id, 0, [], "", [], True, finish_reason="error", error=message)
 
 
+def engine_health(llm: Any) -> dict[str, Any]:
+    """The LLM's ``health()`` ({"ok", "ranks", "error"}), or ok for an LLM without one; a health
+    check that raises counts as not ok."""
+    health = getattr(llm, "health", None)
+    if health is None:
+        return {"ok": True, "ranks": None, "error": None}
+    try:
+        return dict(health())
+    except Exception as e:
+        return {"ok": False, "ranks": None, "error": f"health check failed: {type(e).__name__}: {e}"}
+
+
 class EngineLoop:
     def __init__(self, llm: Any, *, max_pending: int):
         self.llm, self.max_pending = llm, max_pending
         self.pending = 0                 # admitted choices not yet released (event-loop thread only)
         self.rejected = 0
+        self.unavailable: str | None = None     # set by the engine thread once the engine cannot run
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, asyncio.Queue] = {}          # engine thread only
@@ -103,7 +119,10 @@ class EngineLoop:
                 outs = self.llm.step()
             except Exception as e:     # an engine fault: fail what is in flight, keep serving
                 log.exception("engine step failed; failing %d requests", len(self._sinks))
-                outs = [failed(rid, f"engine step failed: {type(e).__name__}: {e}") for rid in self._sinks]
+                self._check_health()
+                why = f"engine unavailable: {self.unavailable}" if self.unavailable else \
+                    f"engine step failed: {type(e).__name__}: {e}"
+                outs = [failed(rid, why) for rid in self._sinks]
                 for rid in list(self._sinks):
                     self.llm.abort(rid)
             self._rate.append((time.monotonic(), self.llm.counters["generated_tokens"]))
@@ -135,9 +154,11 @@ class EngineLoop:
                 self.llm.add_request(prompt, params, request_id=rid)
                 self._sinks[rid] = sink
                 self._totals["prompt_tokens"] += len(prompt)
-            except Exception as e:       # validated before submission: reaching here is a server bug
+            except Exception as e:       # validated before submission: a server bug, or a stopped engine
                 log.exception("add_request %s failed", rid)
-                self._send([(sink, failed(rid, f"{type(e).__name__}: {e}"))])
+                self._check_health()
+                why = f"engine unavailable: {self.unavailable}" if self.unavailable else f"{type(e).__name__}: {e}"
+                self._send([(sink, failed(rid, why))])
         elif kind == "abort":
             if self._sinks.pop(cmd[1], None) is not None:
                 self.llm.abort(cmd[1])            # frees its blocks and KDA slot now
@@ -147,6 +168,12 @@ class EngineLoop:
                 self._send_result(cmd[1], self._snapshot())
             except Exception as e:
                 self._send_result(cmd[1], e)
+
+    def _check_health(self) -> None:
+        if self.unavailable is None:
+            h = engine_health(self.llm)
+            if not h["ok"]:
+                self.unavailable = h.get("error") or "the engine reports it is not healthy"
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         batch = []

@@ -59,14 +59,16 @@ class EngineModel:
         self.name, self.instance = cfg["name"], args.get("model_instance_name", cfg["name"])
         if int(params.get("torch_threads") or 0) > 0:
             torch.set_num_threads(int(params["torch_threads"]))
-        device = "cpu" if args.get("model_instance_kind") == "CPU" else f"cuda:{args['model_instance_device_id']}"
+        # KIND_MODEL: a multi-rank engine's one instance, whose ranks take GPUs 0..N-1 (repository.py)
+        kind = args.get("model_instance_kind")
+        device = {"CPU": "cpu", "MODEL": "cuda"}.get(kind) or f"cuda:{args['model_instance_device_id']}"
         mw = params.get("json_max_whitespace", "")
         self.json_max_whitespace = int(mw) if mw else None
         self.max_prompt_chars = int(params.get("max_prompt_chars") or DEFAULT_MAX_PROMPT_CHARS)
+        _spawn_with_python()           # before the LLM: a multi-rank engine spawns its ranks while it loads
         self.llm = LLM(params["engine_dir"], device=device, **json.loads(params.get("engine_options") or "{}"))
         if self.llm.tokenizer is None:
             raise RuntimeError(f"{params['engine_dir']}: the engine dir has no tokenizer; Triton serving needs one")
-        _spawn_with_python()
         self.prompts = PromptWorkers(self.llm.tokenizer)
         self.engine = EngineLoop(self.llm, max_pending=self.llm.config.max_batch + int(params.get("max_queue", 256)))
         self.loop = asyncio.new_event_loop()
@@ -257,7 +259,7 @@ def _wants_ack(request: Any) -> bool:
 
 
 def _spawn_with_python() -> None:
-    """Prompt workers are spawned processes: inside Triton's stub, sys.executable may be the stub
+    """Prompt workers and a multi-rank engine's ranks are spawned processes: inside Triton's stub, sys.executable may be the stub
     binary rather than a Python, so the environment's own python3 is named (a process-wide
     setting: the stub process holds this one model instance only)."""
     exe = Path(sys.executable)

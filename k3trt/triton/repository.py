@@ -6,6 +6,11 @@
     REPO/k3_unary/1/model.py     ModelInfer): Triton refuses those calls on decoupled models, so
                                  it forwards to k3 (BLS) and answers once; it loads no engine
 
+A multi-rank engine dir (config.json's parallel block over more than one rank) is served by one
+instance that owns all its ranks: its LLM starts the other ranks' processes (GPUs 0..N-1 of the
+node), so the group is ``count: 1`` of ``KIND_MODEL`` (the model places itself), or ``KIND_CPU``
+on the CPU; more instances or a GPU list are refused.
+
 Both model.py files are the same small file (triton_model.py): it puts `k3trt_python_path` on
 sys.path (the Python backend's stub ignores PYTHONPATH) and hands over to k3trt.triton. The
 engine dir is recorded as an absolute path. `execution_env` becomes the Python backend's
@@ -64,6 +69,11 @@ def write_model_repository(engine_dir: str | Path, output: str | Path, *, instan
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if gpus is not None and device == "cpu":
         raise ValueError("gpus needs device auto or cuda")
+    world = engine_world_size(cfg_file)
+    if world > 1 and (instances != 1 or gpus is not None):
+        raise ValueError(f"{engine_dir} runs on {world} ranks, which one instance owns (it starts the ranks' "
+                         f"processes on GPUs 0..{world - 1}): use one instance and no GPU list "
+                         f"(got instances={instances}, gpus={gpus})")
     options = dict(engine_options or {})
     if max_batch is not None:
         options["max_batch"] = max_batch
@@ -75,13 +85,28 @@ def write_model_repository(engine_dir: str | Path, output: str | Path, *, instan
                      "max_queue": str(max_queue), "torch_threads": str(torch_threads),
                      "json_max_whitespace": "" if json_max_whitespace is None else str(json_max_whitespace),
                      "max_prompt_chars": "" if max_prompt_chars is None else str(max_prompt_chars), **common}
-    _write_model(repo, model_name, engine_params, _instance_group(instances, device, gpus), decoupled=True)
+    group = _ranks_group(device) if world > 1 else _instance_group(instances, device, gpus)
+    _write_model(repo, model_name, engine_params, group, decoupled=True)
     if unary:
         _write_model(repo, f"{model_name}_unary", {ROLE_KEY: "unary", "target_model": model_name, **common},
                      "instance_group [ { count: 1 kind: KIND_CPU } ]", decoupled=False)
     log.info("wrote Triton model %r%s for %s into %s", model_name, f" (+ {model_name}_unary)" if unary else "",
              engine, repo)
     return repo / model_name
+
+
+def engine_world_size(cfg_file: Path) -> int:
+    """The ranks an engine dir runs on, from its config.json (read_engine_dir checks it at load)."""
+    try:
+        par = json.loads(cfg_file.read_text()).get("parallel") or {}
+        return max(int(par.get(k, 1)) for k in ("tp", "dcp", "ep"))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{cfg_file}: unreadable engine config ({e}); rebuild the engine dir") from None
+
+
+def _ranks_group(device: str) -> str:
+    kind = "KIND_CPU" if device == "cpu" else "KIND_MODEL"
+    return f"instance_group [ {{ count: 1 kind: {kind} }} ]"
 
 
 def _instance_group(count: int, device: str, gpus: Sequence[int] | None) -> str:
