@@ -1,0 +1,89 @@
+"""The speculation benchmarks' parts: the oracle drafter (benchmarks/oracle.py) plugged into
+LLM.from_model through its ``drafter`` hook accepts at the rate it is set to and leaves greedy
+output unchanged; benchmarks/spec_speedup.py runs its CPU smoke end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_e2e_bench import run_script
+
+from k3trt.engine.build_config import BuildConfig
+from k3trt.engine.capacities import Capacities
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from oracle import OracleDrafter  # noqa: E402  (benchmarks/ is not a package)
+
+
+def engine(model, k: int = 0, drafter=None) -> LLM:
+    caps = Capacities.plan(max_batch=4, max_num_tokens=64, spec_tokens=k, verify=[1, 4])
+    build = BuildConfig(dtype="fp32", block_size=16, max_num_tokens=64, max_seq_len=128)
+    return LLM.from_model(model, build=build, capacities=caps, prefix_caching=False, spec_tokens=k or None,
+                          drafter=drafter, cuda_graphs=False)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_model):
+    cfg, model = tiny_model
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(16, cfg.vocab_size, (4, 12), generator=g).tolist()
+    outs = engine(model).generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    return prompts, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_oracle_accepts_at_its_rate(tiny_model, plain_run, alpha):
+    cfg, model = tiny_model
+    prompts, ref = plain_run
+    oracle = OracleDrafter(cfg.vocab_size)
+    oracle.set_references(prompts, ref)
+    oracle.configure(alpha=alpha, seed=5)
+    llm = engine(model, k=3, drafter=oracle)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref                   # greedy speculation is exact
+    assert oracle.diverged == 0 and oracle.evaluated >= 60
+    spec = llm.stats()["speculative"]
+    assert spec["method"] == "oracle" and spec["drafted_tokens"] == oracle.drafted > 0
+    if alpha == 1.0:
+        assert oracle.alpha_measured == 1.0 and spec["accepted_tokens"] == spec["drafted_tokens"]
+    elif alpha == 0.0:
+        assert oracle.alpha_measured == 0.0 and spec["accepted_tokens"] == 0
+    else:       # ~130 judged positions: a 0.15 band is ~3.5 standard deviations
+        assert abs(oracle.alpha_measured - alpha) < 0.15, (oracle.alpha_measured, oracle.evaluated)
+
+
+def test_oracle_refuses_unknown_prompts_and_bad_alpha(tiny_model):
+    cfg, _ = tiny_model
+    oracle = OracleDrafter(cfg.vocab_size)
+    with pytest.raises(ValueError, match="alpha"):
+        oracle.configure(alpha=1.5)
+    from k3trt.runtime.speculative import DraftInput  # noqa: PLC0415
+    with pytest.raises(KeyError, match="set_references"):
+        oracle.propose([DraftInput("r", [1, 2, 3])], 3)
+
+
+def test_spec_speedup_cpu_smoke(tmp_path):
+    out = tmp_path / "spec.json"
+    printed = run_script("benchmarks/spec_speedup.py", "--device", "cpu", "--preset", "tiny", "--quick",
+                         "--vocab", "1024", "--json", str(out), timeout=300)
+    doc = json.loads(out.read_text())
+    assert not doc["errors"] and "K3 b1 mtp a0.8" in printed
+    spec = [c for c in doc["cases"] if c["kind"] == "spec"]
+    assert {(c["spec_tokens"], c["batch"], c["cost"], c["alpha"]) for c in spec} == \
+        {(k, b, c, a) for k in (1, 3) for b in (1, 4) for c in ("free", "mtp") for a in (0.8, 1.0)}
+    for c in doc["cases"]:
+        assert "error" not in c, (c["name"], c.get("traceback"))
+        assert c["tokens_per_s"] > 0 and "outputs" not in c
+    for c in spec:
+        assert c["exact"] and c["diverged"] == 0 and c["verify_ms"] > 0 and c["ideal_speedup"] > 0
+        if c["alpha"] == 1.0:
+            assert c["alpha_measured"] == 1.0
+    assert set(doc["goals"]) == {"b1_K3_a0.8_mtp_2.5x", "b1_K3_a1.0_mtp_3.2x", "b32_K3_a0.8_mtp_1.5x",
+                                 "b1_K3_verify_within_1.1x_decode"}
