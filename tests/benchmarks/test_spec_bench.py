@@ -87,3 +87,16 @@ def test_spec_speedup_cpu_smoke(tmp_path):
             assert c["alpha_measured"] == 1.0
     assert set(doc["goals"]) == {"b1_K3_a0.8_mtp_2.5x", "b1_K3_a1.0_mtp_3.2x", "b32_K3_a0.8_mtp_1.5x",
                                  "b1_K3_verify_within_1.1x_decode"}
+
+
+def test_spec_breakdown_cpu_smoke(tmp_path):
+    out = tmp_path / "breakdown.json"
+    printed = run_script("benchmarks/spec_speedup.py", "--device", "cpu", "--preset", "tiny", "--quick",
+                         "--vocab", "1024", "--breakdown", "--breakdown-k", "2", "--json", str(out), timeout=300)
+    r = json.loads(out.read_text())["breakdown"]
+    assert "MoE expert count" in printed and r["rows"] == 3
+    assert set(r["step_ms"]) == {"decode", "verify", "verify-same"} and min(r["step_ms"].values()) > 0
+    parts = {p["part"]: p for p in r["parts"]}
+    assert {"kda", "mla", "moe experts", "moe router", "lm_head", "other"} <= set(parts)
+    assert all(parts["moe experts"][s] > 0 for s in ("decode", "verify", "verify-same"))
+    assert r["moe_expert_count_ms"] == pytest.approx(r["step_ms"]["verify"] - r["step_ms"]["verify-same"], abs=1e-3)
