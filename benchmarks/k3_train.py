@@ -9,6 +9,7 @@ mean the same thing to the runtime (tests/benchmarks/test_train_forward.py compa
     mtp_logits = mtp(model, hidden, ids)              # [B·(T-1), V]: position i predicts ids[:, i + 2]
     skip = early_exit(...)                            # hidden after the first N layers (layer-skip drafts)
 
+Under bf16 autocast the routing and the KDA recurrence stay in fp32, as the runtime runs them.
 Differences from the runtime, all numerically neutral: MoE experts run densely (every expert on
 every row, weighted by the routing's sparse combine weights), attention through SDPA with a causal
 mask, KDA in its chunked reference form from a zero state, the short conv from an empty window.
@@ -46,7 +47,8 @@ def mlp(cfg: ModelConfig, m: GatedMLP, x: torch.Tensor) -> torch.Tensor:
 
 def moe(cfg: ModelConfig, m: MoE, x: torch.Tensor) -> torch.Tensor:
     """x [N, hidden]: the latent MoE with every expert run densely."""
-    scores = x.float() @ m.gate.weight.float().t()
+    with torch.autocast(x.device.type, enabled=False):      # fp32 routing, as the runtime's
+        scores = x.float() @ m.gate.weight.float().t()
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:      # moe.route's grouped branch is plain torch
         ids, w = route(cfg, scores, m.gate.e_score_correction_bias.float())
     else:                                                      # its other branch takes the op on CUDA
@@ -103,8 +105,9 @@ def kda(m: KDA, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
     y, _, _ = short_conv_reference(qkv.view(B, T, C), conv_w, qkv.new_zeros(B, C, m.kernel - 1), False)
     q, k, v, g, beta = kda_prep_reference(y.reshape(B * T, C), f, b, m.dt_bias, m.A_log, H, D, m.gate_lower_bound)
     shape = (B, T, H, D)
-    o, _ = kda_chunked_reference(q.view(shape), k.view(shape), v.view(shape), g.view(shape), beta.view(B, T, H),
-                                 q.new_zeros(B, H, D, D), m.scale, PREFILL_CHUNK)
+    with torch.autocast(x.device.type, enabled=False):      # the delta rule in fp32, as the runtime's
+        o, _ = kda_chunked_reference(q.view(shape), k.view(shape), v.view(shape), g.view(shape), beta.view(B, T, H),
+                                     q.new_zeros(B, H, D, D), m.scale, PREFILL_CHUNK)
     o = (norm(o.reshape(B * T, H, D), m.o_norm) * torch.sigmoid(gate.float())).to(x.dtype).reshape(B * T, H * D)
     return m.o_proj(o)
 

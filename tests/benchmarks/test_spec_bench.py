@@ -100,3 +100,19 @@ def test_spec_breakdown_cpu_smoke(tmp_path):
     assert {"kda", "mla", "moe experts", "moe router", "lm_head", "other"} <= set(parts)
     assert all(parts["moe experts"][s] > 0 for s in ("decode", "verify", "verify-same"))
     assert r["moe_expert_count_ms"] == pytest.approx(r["step_ms"]["verify"] - r["step_ms"]["verify-same"], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_train_draft_cpu_smoke(tmp_path):
+    out = tmp_path / "trained.json"
+    printed = run_script("benchmarks/train_draft.py", "--device", "cpu", "--steps", "5", "--tiny",
+                         "--out", str(tmp_path / "ckpt"), "--json", str(out), timeout=600)
+    doc = json.loads(out.read_text())
+    assert "small K3-architecture model trained here" in printed and doc["note"] in printed
+    assert doc["training"]["steps"] == 5 and doc["data"]["train_tokens"] > 0 and doc["data"]["held_out_files"] > 0
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+    names = {c["name"]: c for c in doc["cases"]}
+    assert set(names) == {f"{m} b{b}" for m in ("none", "ngram", "mtp", "layerskip:2") for b in (1, 2)}
+    for c in doc["cases"]:
+        assert c["tokens_per_s"] > 0 and c.get("exact", True), c
+    assert names["mtp b1"]["drafted_tokens"] > 0 and names["layerskip:2 b1"]["drafted_tokens"] > 0
