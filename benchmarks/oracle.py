@@ -12,7 +12,9 @@ with probability α given the ones before it, whatever the model's weights.
 ``cost``: a real drafter (e.g. the target's MTPDrafter) run on every propose for its time alone,
 its tokens discarded; it gets the hidden-state hand-over it needs, so the step costs what drafting
 with it costs. A request whose history leaves its reference (verify numerics at another row count
-taking another argmax) gets no drafts from then on and is counted in ``diverged``.
+taking another argmax within bf16 rounding) gets no drafts from then on; its prompt is in
+``diverged``, and a benchmark can run it again with that run's output as its reference (the
+same drafts and steps give the same numerics, so the first flip is then the reference's own).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from k3trt.runtime.speculative.drafter import Drafter, DraftInput, Proposal, com
 
 @dataclass
 class _Track:
+    key: tuple[int, ...]       # the prompt
     ref: list[int]             # the greedy continuation after the prompt
     prompt_len: int
     rng: random.Random
@@ -71,7 +74,7 @@ class OracleDrafter(Drafter):
         self.drafted = 0
         self.accepted = 0
         self.evaluated = 0             # accepted drafts + rejected ones (positions the target judged)
-        self.diverged = 0
+        self.diverged: set[tuple[int, ...]] = set()    # prompts whose history left their reference
 
     @property
     def alpha_measured(self) -> float | None:
@@ -90,7 +93,7 @@ class OracleDrafter(Drafter):
             n = len(inp.token_ids) - tr.prompt_len          # output tokens committed so far
             if n < 1 or n > len(tr.ref) or inp.token_ids[-1] != tr.ref[n - 1]:
                 tr.diverged = True
-                self.diverged += 1
+                self.diverged.add(tr.key)
                 continue
             drafts = tr.ref[n:n + inp.limit(k)]
             for j, t in enumerate(drafts):
@@ -135,7 +138,7 @@ class OracleDrafter(Drafter):
                 if ref is not None:
                     # one stream per prompt (int tuples hash the same in every process): the same
                     # prompt draws the same corruptions each run
-                    tr = _Track(ref, n, random.Random(hash((self.seed, key))), [])
+                    tr = _Track(key, ref, n, random.Random(hash((self.seed, key))), [])
                     break
             else:
                 raise KeyError(f"oracle drafter: no reference continuation for request {inp.request_id} "
