@@ -107,7 +107,7 @@ class Bench:
         cfg, p = model.cfg, next(model.parameters())
         self.model, self.q, self.device = model, q, p.device
         per = -(-(ctx + 2 * q) // BLOCK)
-        plan = plan_cache(cfg, budget_bytes=1 << 30, block_size=BLOCK, max_live=1, max_model_len=ctx + 2 * q,
+        plan = plan_cache(cfg, budget_bytes=4 << 30, block_size=BLOCK, max_live=1, max_model_len=ctx + 2 * q,
                           kv_dtype=p.dtype, state_dtype=p.dtype, max_q=q, num_blocks=per + 1)
         self.s = GraphSession(model, cfg, plan, device=p.device, dtype=p.dtype, kv_dtype=p.dtype, max_q=q,
                               capacities=(1,), q_values=(1, q), max_blocks=per)

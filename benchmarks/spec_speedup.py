@@ -372,11 +372,13 @@ def parse(argv: list[str] | None):
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-num-tokens", type=int, default=8192)
     ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--kv-cache-mb", type=int, default=4096)
+    ap.add_argument("--kv-cache-mb", type=int, default=20480,
+                    help="per engine; the spec preset's KDA states at batch 32, K=5 take ~17 GiB")
     ap.add_argument("--budget-s", type=int, default=400, help="skip cases that would start after this")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
     ap.add_argument("--breakdown", action="store_true", help="verify vs decode per op at batch 1 (spec_breakdown.py)")
     ap.add_argument("--breakdown-k", type=int, default=3)
+    ap.add_argument("--breakdown-ctx", type=int, default=256, help="cached tokens before the profiled step")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside --json)")
     args = ap.parse_args(argv)
@@ -384,6 +386,7 @@ def parse(argv: list[str] | None):
         args.ks, args.alphas, args.batches, args.max_tokens = "1,3", "0.8,1.0", "1,32", 32
     if args.device == "cpu" and args.quick:
         args.batches, args.max_tokens, args.prompt_len, args.max_num_tokens, args.kv_cache_mb = "1,4", 12, 16, 256, 256
+        args.breakdown_ctx = 16
         torch.set_num_threads(1)        # tiny steps: one thread beats two fighting over CI's cores
     floats = lambda s: [float(x) for x in s.split(",") if x]   # noqa: E731
     args.alphas, args.ks, args.batches = floats(args.alphas), [int(x) for x in floats(args.ks)], \
@@ -415,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = Run(a, doc)
     if a.breakdown:
         import spec_breakdown  # noqa: PLC0415 (only this mode)
-        doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.prompt_len)
+        doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.breakdown_ctx)
         run.save()
         spec_breakdown.report(doc["breakdown"], doc["machine"]["ceilings"])
         return doc

@@ -273,13 +273,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"NOTE: {NOTE}", flush=True)
     doc = record(__file__, argv, note=NOTE, machine=machine(device),
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()})
-    doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     work = Path(tempfile.mkdtemp(prefix="train_draft."))
     tok_dir = work / "tokenizer"
     write_k3_tokenizer(tok_dir)
     tok = Tokenizer.from_dir(tok_dir)
     vocab = -(-tok.vocab_size // 128) * 128
+    # the tokenizer's worker processes fork before CUDA is initialised (the ceilings initialise it)
     train_ids, held_ids, doc["data"] = corpus(tok_dir, tok.eos_token_id, a.max_mb, a.seed, a.workers)
+    doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     raw = preset_config("tiny" if a.tiny else "small", vocab, pad_token_id=tok.pad_token_id)
     cfg = ModelConfig.from_dict(raw)
     model = build_model(cfg, dtype=torch.float32, device=device)
