@@ -26,6 +26,7 @@ The table's title gives the device and its ceilings (harness.py), measured in th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -60,16 +61,15 @@ MODES = ("none", "ngram", "mtp", "layerskip")
 
 
 # ------------------------------------------------------------------------------ data
-_TOK: Tokenizer | None = None
+@functools.lru_cache(maxsize=1)
+def _tokenizer(tok_dir: str) -> Tokenizer:
+    """One tokenizer per worker process, loaded on its first file."""
+    return Tokenizer.from_dir(tok_dir)
 
 
-def _worker_init(tok_dir: str) -> None:
-    global _TOK
-    _TOK = Tokenizer.from_dir(tok_dir)
-
-
-def _encode(path: str) -> list[int]:
-    return _TOK.encode(Path(path).read_text(errors="replace"))
+def _encode(job: tuple[str, str]) -> list[int]:
+    tok_dir, path = job
+    return _tokenizer(tok_dir).encode(Path(path).read_text(errors="replace"))
 
 
 def corpus(tok_dir: Path, eos: int, max_mb: float, seed: int, workers: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -91,8 +91,8 @@ def corpus(tok_dir: Path, eos: int, max_mb: float, seed: int, workers: int) -> t
         return out
     train, held = take(train, budget), take(held, budget / 10)
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(workers, initializer=_worker_init, initargs=(str(tok_dir),)) as pool:
-        enc = list(pool.map(_encode, train + held, chunksize=8))
+    with ProcessPoolExecutor(workers) as pool:
+        enc = list(pool.map(_encode, [(str(tok_dir), f) for f in train + held], chunksize=8))
 
     def join(seqs):
         return torch.tensor([t for s in seqs for t in (*s, eos)], dtype=torch.int64)

@@ -133,3 +133,21 @@ def test_train_draft_cpu_smoke(tmp_path):
     for c in doc["cases"]:
         assert c["tokens_per_s"] > 0 and c.get("exact", True), c
     assert names["mtp b1"]["drafted_tokens"] > 0 and names["layerskip:2 b1"]["drafted_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_spec_benchmarks_gpu_smoke(tmp_path):
+    """The GPU paths (graph replays, MTP-cost drafting, the profiler's CUDA kernels, bf16 autocast
+    training) on tiny sizes: the full runs' first GPU contact."""
+    tiny = ("--preset", "tiny", "--quick", "--vocab", "1024")
+    run_script("benchmarks/spec_speedup.py", *tiny, "--json", str(tmp_path / "s.json"), timeout=600)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert not doc["errors"] and all("error" not in c for c in doc["cases"])
+    assert all(c["verify_ms"] > 0 for c in doc["cases"] if c["kind"] == "spec")
+    run_script("benchmarks/spec_speedup.py", *tiny, "--breakdown", "--json", str(tmp_path / "b.json"), timeout=600)
+    parts = {p["part"]: p for p in json.loads((tmp_path / "b.json").read_text())["breakdown"]["parts"]}
+    assert parts["moe experts"]["decode"] > 0 and parts["kda"]["verify"] > 0
+    run_script("benchmarks/train_draft.py", "--device", "cuda", "--steps", "5", "--tiny", "--json",
+               str(tmp_path / "t.json"), timeout=600)
+    cases = {c["name"]: c for c in json.loads((tmp_path / "t.json").read_text())["cases"]}
+    assert all(c["tokens_per_s"] > 0 for c in cases.values()) and cases["mtp b1"]["drafted_tokens"] > 0
