@@ -209,6 +209,7 @@ def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
                 if b not in base:
                     continue
                 if b not in host_sync:      # speculation off per request: synchronous q = 1 steps
+                    drive(llm, ps[b], 4, speculate=False)                      # warm-up
                     r = drive(llm, ps[b], a.max_tokens, speculate=False)
                     host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
                     base[b]["host_sync_ms"] = host_sync[b]
