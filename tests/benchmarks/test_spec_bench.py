@@ -85,6 +85,22 @@ def test_oracle_refuses_unknown_prompts_and_bad_alpha(tiny_model):
         oracle.propose([DraftInput("r", [1, 2, 3])], 3)
 
 
+def test_decode_row_experts_switch_routes_every_row_as_the_first_and_restores(tiny_model):
+    import spec_breakdown  # noqa: PLC0415 (benchmarks/ on sys.path above)
+
+    from k3trt.model.moe import Router  # noqa: PLC0415
+    cfg, model = tiny_model
+    router = next(m for m in model.modules() if isinstance(m, Router))
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    ids0, w0 = router(x)
+    assert not (ids0 == ids0[:1]).all()                      # the rows pick different experts on their own
+    with spec_breakdown.decode_row_experts(model):
+        ids, w = router(x)
+        assert torch.equal(ids, ids0[:1].expand_as(ids0)) and torch.equal(w, w0[:1].expand_as(w0))
+    ids1, w1 = router(x)
+    assert torch.equal(ids1, ids0) and torch.equal(w1, w0) and "forward" not in vars(router)
+
+
 def test_spec_speedup_cpu_smoke(tmp_path):
     out = tmp_path / "spec.json"
     printed = run_script("benchmarks/spec_speedup.py", "--device", "cpu", "--preset", "tiny", "--quick",
