@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/spec_speedup.py --json $OUT/spec_speedup.json        # H200, < 8 min
     PYTHONPATH=. python benchmarks/spec_speedup.py --quick --json $OUT/spec_speedup.json  # ~2 min
     PYTHONPATH=. python benchmarks/spec_speedup.py --breakdown --json $OUT/spec_breakdown.json
-    PYTHONPATH=. python benchmarks/spec_speedup.py --device cpu --preset tiny --quick    # CPU smoke
+    PYTHONPATH=. python benchmarks/spec_speedup.py --device cpu --preset tiny [--quick]  # CPU smoke
 
 Acceptance is set, not hoped for: the oracle drafter (benchmarks/oracle.py) proposes the target's
 own greedy continuation, taken from the plain greedy run of the same prompts, with each position
@@ -294,7 +294,7 @@ def free(llm: LLM | None) -> None:
 def parse(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="spec")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (batches 1,4, prompt 16, 12 tokens)")
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset: K 1,3; α 0.8,1.0; batches 1,32")
@@ -318,7 +318,7 @@ def parse(argv: list[str] | None):
     args = ap.parse_args(argv)
     if args.quick:
         args.ks, args.alphas, args.batches, args.max_tokens = "1,3", "0.8,1.0", "1,32", 32
-    if args.device == "cpu" and args.quick:
+    if args.device == "cpu":            # a smoke run: small batches, short prompts and outputs
         args.batches, args.max_tokens, args.prompt_len, args.max_num_tokens, args.kv_cache_mb = "1,4", 12, 16, 256, 256
         args.breakdown_ctx = 16
         torch.set_num_threads(1)        # tiny steps: one thread beats two fighting over CI's cores
