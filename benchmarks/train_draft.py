@@ -149,7 +149,7 @@ def train(model, data: torch.Tensor, a, device: torch.device) -> dict:
         opt.step()
         step += 1
         if step % a.log_every == 0 or step == 1:
-            row = {k: round(float(v), 4) for k, v in ls.items()} | {"step": step, "lr": round(lr, 6),
+            row = {k: round(float(v.detach()), 4) for k, v in ls.items()} | {"step": step, "lr": round(lr, 6),
                                                                     "s": round(time.perf_counter() - t0, 1)}
             hist.append(row)
             log.info("step %d (%.0fs): loss %.3f, mtp %.3f, skip %.3f; acc %.3f / %.3f / %.3f", step, row["s"],
@@ -168,7 +168,7 @@ def held_out(model, data: torch.Tensor, a, device: torch.device) -> dict:
     for _ in range(a.eval_batches):
         with autocast:
             for k, v in losses(model, next(it).to(device), a.skip_layers).items():
-                sums[k] = sums.get(k, 0.0) + float(v) / a.eval_batches
+                sums[k] = sums.get(k, 0.0) + float(v.detach()) / a.eval_batches
     return {k: round(v, 4) for k, v in sums.items()} | {"perplexity": round(math.exp(sums["main"]), 2)}
 
 
