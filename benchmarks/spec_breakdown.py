@@ -15,7 +15,8 @@ patterns; what matches none is "other"):
                   to verifying more rows; verify-same - decode is the rest, what a faster verify
                   step can remove.
 
-Also the kernels whose time grows most from decode to verify.
+Also the kernels whose time grows most from decode to verify, and each step against its
+roofline (benchmarks/roofline.py, with the ceilings of the run).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections import defaultdict
 
 import torch
 from harness import best_s, median_ms, print_table
+from roofline import Sizes, roofline
 
 from k3trt.model.kda import KDA
 from k3trt.model.moe import Router
@@ -162,7 +164,21 @@ class Bench:
                 "kernels": {k: round(v, 4) for k, v in kernels.items()}}
 
 
-def run(model, k: int, device: torch.device, *, ctx: int = 256, top: int = 12) -> dict:
+def rooflines(model, q: int, ctx: int, ceil: dict) -> dict:
+    """The roofline (roofline.py) of the decode and the verify step, and the verify step's with
+    every row on the decode row's experts (its routed-expert bytes at top-k, not at the distinct
+    experts its rows touch)."""
+    p = next(model.parameters())
+    sz = Sizes.of(model, p.dtype)
+    kw = dict(seqs=1, ctx=ctx, copy_gbps=ceil["copy_gbps"], gemm_tflops=ceil["gemm_tflops"])
+    dec, ver = roofline(sz, q=1, **kw), roofline(sz, q=q, save_states=True, **kw)
+    extra = sz.moe_layers * (ver["experts_per_moe_layer"] - sz.top_k) * sz.expert_bytes
+    same = max(ver["bytes_ms"] - extra / (ceil["copy_gbps"] * 1e9) * 1e3, ver["flops_ms"])
+    return {"decode": dec["roofline_ms"], "verify": ver["roofline_ms"], "verify-same": round(same, 4),
+            "experts_per_moe_layer": {"decode": dec["experts_per_moe_layer"], "verify": ver["experts_per_moe_layer"]}}
+
+
+def run(model, k: int, device: torch.device, *, ctx: int = 256, top: int = 12, ceil: dict | None = None) -> dict:
     q = k + 1
     b = Bench(model, q, ctx)
     steps = {"decode": (b.time_ms(1), b.profile(1)), "verify": (b.time_ms(q), b.profile(q))}
@@ -178,6 +194,9 @@ def run(model, k: int, device: torch.device, *, ctx: int = 256, top: int = 12) -
     out["moe_expert_count_ms"] = round(ver - same, 4)
     out["rest_ms"] = round(same - dec, 4)
     out["verify_same_vs_decode"] = round(same / dec, 3)
+    if ceil is not None:
+        out["roofline_ms"] = roof = rooflines(model, q, ctx, ceil)
+        out["vs_roofline"] = {n: round(ms / roof[n], 3) for n, (ms, _) in steps.items()}
     parts = sorted(set().union(*(p["parts"] for _, p in steps.values())))
     out["parts"] = [{"part": part, **{n: p["parts"].get(part, 0.0) for n, (_, p) in steps.items()}} for part in parts]
     for row in out["parts"]:
@@ -203,6 +222,12 @@ def report(r: dict, ceil: dict | None) -> None:
                  ("extra same", "extra_same", 10, ".4f")],
                 sorted(r["parts"], key=lambda p: -p["extra"]),
                 note="ms of kernel time per part in one uncaptured step (torch.profiler); steps: graph replays")
+    if "roofline_ms" in r:
+        roof, x = r["roofline_ms"], r["vs_roofline"]
+        print(f"roofline (benchmarks/roofline.py): decode {roof['decode']:.3f} ms (x{x['decode']}), verify "
+              f"{roof['verify']:.3f} ms (x{x['verify']}; {roof['experts_per_moe_layer']['verify']} experts per MoE "
+              f"layer against {roof['experts_per_moe_layer']['decode']}), verify-same {roof['verify-same']:.3f} ms "
+              f"(x{x['verify-same']})")
     if r["kernels_grown"]:
         print_table("kernels that grow most from decode to verify", None,
                     [("kernel", "kernel", 60, ""), ("decode", "decode", 8, ".4f"), ("verify", "verify", 8, ".4f"),

@@ -31,6 +31,7 @@ COLUMNS = [("case", "name", 22, ""), ("tok/s", "tokens_per_s", 9, ".1f"), ("spee
            ("tok/st", "tokens_per_step", 6, ".2f"), ("step ms", "step_ms", 8, ".3f"),
            ("draft/tok", "draft_ms_per_token", 9, ".3f"), ("verify", "verify_ms", 7, ".3f"),
            ("decode", "decode_ms", 7, ".3f"), ("v/d", "verify_vs_decode", 5, ".2f"),
+           ("roof×", "graph_vs_roofline", 6, ".2f"),
            ("host exp", "host_exposed_ms", 8, ".3f"), ("host hid", "host_hidden_ms", 8, ".3f"), ("exact", "exact", 5, ""),
            ("reruns", "reruns", 6, "d")]
 
@@ -40,7 +41,8 @@ def report(doc: dict) -> None:
     print_table(f"spec_speedup: {doc['preset']} preset ({doc['dtype']}, {doc['model']['params'] / 1e9:.2f}B params, "
                 f"{doc['model']['layers']} layers + 1 MTP), prompt {doc['settings']['prompt_len']}, "
                 f"max_tokens {doc['settings']['max_tokens']}", doc["machine"]["ceilings"], COLUMNS, rows,
-                note="ms per step; ideal×: E[tokens/step] x decode/verify, free drafts and no host time; "
+                note="ms per step; ideal×: E[tokens/step] x decode/verify, free drafts and no host time; roof×: the "
+                     "verify (plain: decode) graph / its roofline; "
                      "host hid: an estimate (module doc); α meas: accepted / judged draft positions; "
                      "tok/st: tokens per step per request")
     for c in doc["cases"]:

@@ -24,7 +24,8 @@ k3trt delivers for a model whose drafts are accepted at rate α. One process:
              batch the (batch, K+1) verify graph replayed alone: verify ms
 
 Columns: draft ms per token (host wall of propose, device work synchronised), verify ms and its
-ratio to decode ms, host ms exposed (step - draft - verify: the GPU waits) and hidden (the sync
+ratio to decode ms, the verify graph (plain rows: the decode graph) against its roofline
+(roofline.py: bytes / copy bandwidth or flops / GEMM rate, the ceilings of this run), host ms exposed (step - draft - verify: the GPU waits) and hidden (the sync
 step's host work less the exposed part; an estimate), the ceiling ``ideal×`` = E[tokens per
 step] × decode ms / verify ms (free drafts, no host time; E = Σ_{i≤K} α^i) and the measured
 speedup's share of it. A verify step may take another argmax than plain decoding where two
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 from harness import best_s, cpu_ceilings, machine, measure, median_ms, record, write_json
 from oracle import OracleDrafter
+from roofline import Sizes, roofline
 from spec_report import goals, plot, report
 
 from k3trt.config import ModelConfig
@@ -132,6 +134,15 @@ def step_ms(llm: LLM, batch: int, q: int) -> float | None:
         return round(best_s(lambda: s._run_static(st), reps=3) * 1e3, 4)
 
 
+def roofline_ms(run: "Run", model, batch: int, q: int) -> float:
+    """The step's roofline (roofline.py) at the run's mean decode context, with its ceilings."""
+    a, ceil = run.args, run.doc["machine"]["ceilings"]
+    r = roofline(Sizes.of(model, next(model.parameters()).dtype), seqs=batch, q=q,
+                 ctx=a.prompt_len + a.max_tokens / 2, copy_gbps=ceil["copy_gbps"], gemm_tflops=ceil["gemm_tflops"],
+                 save_states=q > 1)
+    return r["roofline_ms"]
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens per verify step when each draft is accepted with probability α given the earlier ones."""
     return float(sum(alpha ** i for i in range(k + 1)))
@@ -180,6 +191,8 @@ def plain_cases(run: Run, model, ps: dict) -> dict[int, dict]:
             def plain(b=b):
                 r = drive(llm, ps[b], a.max_tokens)
                 r["decode_ms"] = step_ms(llm, b, 1)
+                r["decode_roofline_ms"] = roofline_ms(run, model, b, 1)
+                r["decode_vs_roofline"] = r["graph_vs_roofline"] = _ratio(r["decode_ms"], r["decode_roofline_ms"])
                 r["host_exposed_ms"] = _minus(r["step_ms"], r["decode_ms"])
                 return r
             row = run.case(f"plain b{b}", plain, kind="plain", batch=b)
@@ -226,9 +239,11 @@ def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
                                        cost=cost, alpha=alpha)
                         if row and "error" not in row:
                             rows.append(row)
-                verify = step_ms(llm, b, k + 1)
+                verify, roof = step_ms(llm, b, k + 1), roofline_ms(run, model, b, k + 1)
                 for row in rows:            # the verify step alone, as the batch last ran it
                     finish_row(row, verify, base[b]["decode_ms"], host_sync[b])
+                    row["verify_roofline_ms"] = roof
+                    row["verify_vs_roofline"] = row["graph_vs_roofline"] = _ratio(verify, roof)
                 run.save()
         except Exception as e:
             log.error("K=%d engine: %s: %s", k, type(e).__name__, e)
@@ -272,6 +287,10 @@ def finish_row(row: dict, verify_ms: float | None, decode_ms: float | None, host
     if row["verify_vs_decode"]:
         row["ideal_speedup"] = round(row["expected_tokens_per_step"] / row["verify_vs_decode"], 3)
         row["of_ideal"] = round(row["speedup"] / row["ideal_speedup"], 3) if row.get("speedup") else None
+
+
+def _ratio(x, y):
+    return round(x / y, 3) if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else None
 
 
 def _minus(x, y):
@@ -352,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
     run = Run(a, doc)
     if a.breakdown:
         import spec_breakdown  # noqa: PLC0415 (only this mode)
-        doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.breakdown_ctx)
+        doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.breakdown_ctx,
+                                              ceil=doc["machine"]["ceilings"])
         run.save()
         spec_breakdown.report(doc["breakdown"], doc["machine"]["ceilings"])
         return doc
