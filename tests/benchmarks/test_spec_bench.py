@@ -155,7 +155,8 @@ def test_train_draft_cpu_smoke(tmp_path):
 def test_spec_benchmarks_gpu_smoke(tmp_path):
     """The GPU paths (graph replays, MTP-cost drafting, the profiler's CUDA kernels, bf16 autocast
     training) on tiny sizes: the full runs' first GPU contact."""
-    tiny = ("--preset", "tiny", "--quick", "--vocab", "1024")
+    tiny = ("--preset", "tiny", "--vocab", "1024", "--ks", "2", "--alphas", "0.8", "--batches", "1,4",
+            "--prompt-len", "16", "--max-tokens", "12", "--kv-cache-mb", "512")
     run_script("benchmarks/spec_speedup.py", *tiny, "--json", str(tmp_path / "s.json"), timeout=600)
     doc = json.loads((tmp_path / "s.json").read_text())
     assert not doc["errors"] and all("error" not in c for c in doc["cases"])
