@@ -356,7 +356,9 @@ def parse(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     device = torch.device(a.device)
-    doc = record(__file__, argv, machine=machine(device), preset=a.preset, dtype=a.dtype,
+    doc = record(__file__, argv, note="random weights; acceptance set by the oracle drafter (benchmarks/oracle.py): "
+                 "the target's own greedy continuation, each position replaced with probability 1 - alpha",
+                 machine=machine(device), preset=a.preset, dtype=a.dtype,
                  settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, cases=[], errors=[])
     doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     t0 = time.perf_counter()
