@@ -123,8 +123,8 @@ class LLM:
         hybrid = bool(cfg.kda_layers)
         max_num_tokens = min(opts.max_num_tokens or b.max_num_tokens, b.max_num_tokens)
         self.max_model_len = min(opts.max_model_len or b.max_seq_len, b.max_seq_len)
-        k = spec_tokens_for(opts.speculative if drafter is None else drafter.name, opts.spec_tokens,
-                            built=caps.spec_tokens)
+        method = opts.speculative if drafter is None else drafter.name
+        k = spec_tokens_for(method, opts.spec_tokens, built=caps.spec_tokens)
         if model is None:
             _check_graph_options(opts, b, caps, k)
         run_caps = caps.within(max_batch=opts.max_batch, max_num_tokens=max_num_tokens, spec_tokens=k)
@@ -161,7 +161,7 @@ class LLM:
                              seed=opts.seed)
         log.info("runtime on %s: verify capacities %s, prefill capacities %s, max_model_len %d, speculative %s "
                  "(K=%d), CUDA graphs %s", device, list(verify), list(run_caps.prefill),
-                 self.max_model_len, drafter.name, k, "on" if graphs else "off")
+                 self.max_model_len, method, k, "on" if graphs else "off")
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> str:
