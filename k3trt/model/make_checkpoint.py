@@ -27,7 +27,7 @@ from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 log = logging.getLogger(__name__)
 
 # Shard size per preset: small enough that even tiny has several shards (exercises the index).
-SHARD_BYTES = {"tiny": 8 << 20, "small": 128 << 20, "medium": 4 << 30}
+SHARD_BYTES = {"tiny": 8 << 20, "small": 128 << 20, "medium": 4 << 30, "spec": 4 << 30}
 VOCAB_MULTIPLE = 128
 
 

@@ -44,7 +44,7 @@ from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import Request, RequestOutput
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 from k3trt.runtime.spec_step import Speculator
-from k3trt.runtime.speculative import NoDrafter, make_drafter, spec_tokens_for
+from k3trt.runtime.speculative import Drafter, NoDrafter, make_drafter, spec_tokens_for
 from k3trt.runtime.structured import CompiledGuide, GuidedSpec
 from k3trt.runtime.tokenizer import Tokenizer
 from k3trt.runtime.trt_session import TrtSession
@@ -98,27 +98,33 @@ class LLM:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, *, build: BuildConfig, capacities: Capacities,
-                   tokenizer_dir: str | Path | None = None, **options: Any) -> "LLM":
+                   tokenizer_dir: str | Path | None = None, drafter: Drafter | None = None,
+                   **options: Any) -> "LLM":
         """An engine over a K3ForCausalLM already in memory, on its device and in build.dtype: for
         benchmarks at sizes no checkpoint on disk holds, and for tests. No engine dir (engine_dir is
-        None); token-id prompts only unless tokenizer_dir is given."""
+        None); token-id prompts only unless tokenizer_dir is given. `drafter`: a Drafter instance
+        used in place of the one `speculative` names (benchmarks' oracle drafters); K is
+        `spec_tokens` (default 3)."""
         self = cls.__new__(cls)
         self.engine_dir = None
         device = next(model.parameters()).device
         self._setup(model.cfg, build, capacities, Path(tokenizer_dir) if tokenizer_dir else None, device,
-                    EngineOptions.from_kwargs(options), lambda **kw: _torch_session(None, model, **kw), model=model)
+                    EngineOptions.from_kwargs(options), lambda **kw: _torch_session(None, model, **kw), model=model,
+                    drafter=drafter)
         return self
 
     def _setup(self, cfg, b: BuildConfig, caps: Capacities, tokenizer_dir: Path | None, device: torch.device,
                opts: EngineOptions, open_session: Callable[..., EngineSession], *,
-               model: torch.nn.Module | None) -> None:
+               model: torch.nn.Module | None, drafter: Drafter | None = None) -> None:
         """Everything above the session, which `open_session` makes (SESSIONS); `model`: the
-        target of the model-running drafters (mtp, layerskip), None for engine backends."""
+        target of the model-running drafters (mtp, layerskip), None for engine backends;
+        `drafter`: a given drafter instead of make_drafter's."""
         self.options = opts
         hybrid = bool(cfg.kda_layers)
         max_num_tokens = min(opts.max_num_tokens or b.max_num_tokens, b.max_num_tokens)
         self.max_model_len = min(opts.max_model_len or b.max_seq_len, b.max_seq_len)
-        k = spec_tokens_for(opts.speculative, opts.spec_tokens, built=caps.spec_tokens)
+        method = opts.speculative if drafter is None else drafter.name
+        k = spec_tokens_for(method, opts.spec_tokens, built=caps.spec_tokens)
         if model is None:
             _check_graph_options(opts, b, caps, k)
         run_caps = caps.within(max_batch=opts.max_batch, max_num_tokens=max_num_tokens, spec_tokens=k)
@@ -139,9 +145,12 @@ class LLM:
             log.warning("cuda_graphs on %s: static padded steps without capture", device)
         self.session = open_session(cfg=cfg, plan=plan, run_caps=run_caps, built=caps, k=k, device=device,
                                     graphs=graphs, build=b, max_model_len=self.max_model_len)
-        drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
-                               target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
-                               sample_drafts=True, graphs=graphs) if k else NoDrafter()
+        if not k:
+            drafter = NoDrafter()
+        elif drafter is None:
+            drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
+                                   target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
+                                   sample_drafts=True, graphs=graphs)
         self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
@@ -152,7 +161,7 @@ class LLM:
                              seed=opts.seed)
         log.info("runtime on %s: verify capacities %s, prefill capacities %s, max_model_len %d, speculative %s "
                  "(K=%d), CUDA graphs %s", device, list(verify), list(run_caps.prefill),
-                 self.max_model_len, opts.speculative, k, "on" if graphs else "off")
+                 self.max_model_len, method, k, "on" if graphs else "off")
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> str:

@@ -1,0 +1,81 @@
+"""spec_speedup.py's report: the goals of issue 46 checked on the cases, the table, the plot
+(matplotlib when it imports; else none, and the log says so)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from harness import print_table
+
+log = logging.getLogger("spec_speedup")
+
+
+def goals(cases: list[dict]) -> dict:
+    """Issue 46's speed goals (K = 3, MTP-cost drafting) on the cases that ran."""
+    by = {(c["spec_tokens"], c["batch"], c["cost"], c["alpha"]): c for c in cases
+          if c.get("kind") == "spec" and "error" not in c and "skipped" not in c}
+
+    def speedup(b, alpha, target):
+        s = by.get((3, b, "mtp", alpha), {}).get("speedup")
+        return {"speedup": s, "goal": target, "met": s is not None and s >= target}
+    out = {"b1_K3_a0.8_mtp_2.5x": speedup(1, 0.8, 2.5), "b1_K3_a1.0_mtp_3.2x": speedup(1, 1.0, 3.2),
+           "b32_K3_a0.8_mtp_1.5x": speedup(32, 0.8, 1.5)}
+    v = next((c.get("verify_vs_decode") for key, c in by.items() if key[:2] == (3, 1)), None)
+    out["b1_K3_verify_within_1.1x_decode"] = {"ratio": v, "goal": 1.1, "met": v is not None and v <= 1.1}
+    return out
+
+
+COLUMNS = [("case", "name", 22, ""), ("tok/s", "tokens_per_s", 9, ".1f"), ("speedup", "speedup", 7, ".2f"),
+           ("ideal×", "ideal_speedup", 6, ".2f"), ("of id", "of_ideal", 5, ".2f"), ("α meas", "alpha_measured", 6, ".3f"),
+           ("tok/st", "tokens_per_step", 6, ".2f"), ("step ms", "step_ms", 8, ".3f"),
+           ("draft/tok", "draft_ms_per_token", 9, ".3f"), ("verify", "verify_ms", 7, ".3f"),
+           ("decode", "decode_ms", 7, ".3f"), ("v/d", "verify_vs_decode", 5, ".2f"),
+           ("roof×", "graph_vs_roofline", 6, ".2f"),
+           ("host exp", "host_exposed_ms", 8, ".3f"), ("host hid", "host_hidden_ms", 8, ".3f"), ("exact", "exact", 5, ""),
+           ("reruns", "reruns", 6, "d")]
+
+
+def report(doc: dict) -> None:
+    rows = [c for c in doc["cases"] if "skipped" not in c]
+    print_table(f"spec_speedup: {doc['preset']} preset ({doc['dtype']}, {doc['model']['params'] / 1e9:.2f}B params, "
+                f"{doc['model']['layers']} layers + 1 MTP), prompt {doc['settings']['prompt_len']}, "
+                f"max_tokens {doc['settings']['max_tokens']}", doc["machine"]["ceilings"], COLUMNS, rows,
+                note="ms per step; ideal×: E[tokens/step] x decode/verify, free drafts and no host time; roof×: the "
+                     "verify (plain: decode) graph / its roofline; "
+                     "host hid: an estimate (module doc); α meas: accepted / judged draft positions; "
+                     "tok/st: tokens per step per request")
+    for c in doc["cases"]:
+        if "error" in c or "skipped" in c:
+            print(f"{c['name']}: {c.get('error') or c.get('skipped')}")
+    for k, v in doc.get("goals", {}).items():
+        print(f"goal {k}: {'met' if v['met'] else 'NOT met'} ({', '.join(f'{a}={b}' for a, b in v.items() if a != 'met')})")
+
+
+def plot(doc: dict, path: Path | None) -> None:
+    """Speedup against α, a panel per batch, a line per K and drafting cost; skipped without matplotlib."""
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: PLC0415 (optional)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional)
+    except ImportError:
+        log.info("matplotlib does not import: no plot")
+        return
+    spec = [c for c in doc["cases"] if c.get("kind") == "spec" and c.get("speedup")]
+    batches = sorted({c["batch"] for c in spec})
+    if not batches:
+        return
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for (k, cost) in sorted({(c["spec_tokens"], c["cost"]) for c in spec if c["batch"] == b}):
+            pts = sorted((c["alpha"], c["speedup"]) for c in spec if (c["batch"], c["spec_tokens"], c["cost"]) == (b, k, cost))
+            ax.plot(*zip(*pts), marker="o", linestyle="-" if cost == "mtp" else "--", label=f"K={k} {cost}")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set(title=f"batch {b}", xlabel="acceptance α", ylabel="speedup vs plain decoding")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{doc['preset']} preset on {doc['machine']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log.info("plot: %s", path)

@@ -1,0 +1,170 @@
+"""The speculation benchmarks' parts: the oracle drafter (benchmarks/oracle.py) plugged into
+LLM.from_model through its ``drafter`` hook accepts at the rate it is set to and leaves greedy
+output unchanged; benchmarks/spec_speedup.py runs its CPU smoke end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_e2e_bench import run_script
+
+from k3trt.engine.build_config import BuildConfig
+from k3trt.engine.capacities import Capacities
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from oracle import OracleDrafter  # noqa: E402  (benchmarks/ is not a package)
+
+
+def engine(model, k: int = 0, drafter=None) -> LLM:
+    caps = Capacities.plan(max_batch=4, max_num_tokens=64, spec_tokens=k, verify=[1, 4])
+    build = BuildConfig(dtype="fp32", block_size=16, max_num_tokens=64, max_seq_len=128)
+    return LLM.from_model(model, build=build, capacities=caps, prefix_caching=False, spec_tokens=k or None,
+                          drafter=drafter, cuda_graphs=False)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_model):
+    cfg, model = tiny_model
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(16, cfg.vocab_size, (4, 12), generator=g).tolist()
+    outs = engine(model).generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    return prompts, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_oracle_accepts_at_its_rate(tiny_model, plain_run, alpha):
+    cfg, model = tiny_model
+    prompts, ref = plain_run
+    oracle = OracleDrafter(cfg.vocab_size)
+    oracle.set_references(prompts, ref)
+    oracle.configure(alpha=alpha, seed=5)
+    llm = engine(model, k=3, drafter=oracle)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref                   # greedy speculation is exact
+    assert not oracle.diverged and oracle.evaluated >= 60
+    spec = llm.stats()["speculative"]
+    assert spec["method"] == "oracle" and spec["drafted_tokens"] == oracle.drafted > 0
+    if alpha == 1.0:
+        assert oracle.alpha_measured == 1.0 and spec["accepted_tokens"] == spec["drafted_tokens"]
+    elif alpha == 0.0:
+        assert oracle.alpha_measured == 0.0 and spec["accepted_tokens"] == 0
+    else:       # ~130 judged positions: a 0.15 band is ~3.5 standard deviations
+        assert abs(oracle.alpha_measured - alpha) < 0.15, (oracle.alpha_measured, oracle.evaluated)
+
+
+def test_a_case_reruns_requests_that_left_their_reference(tiny_model, plain_run):
+    """A reference that leaves greedy at token 10 (as a bf16 argmax flip would): the first run stops
+    drafting there; the rerun takes that run's output as the reference and drafts to the end."""
+    import spec_speedup  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    cfg, model = tiny_model
+    prompts, ref = plain_run
+    off = [r[:10] + [(t + 1) % cfg.vocab_size for t in r[10:]] for r in ref]
+    oracle = OracleDrafter(cfg.vocab_size)
+    oracle.set_references(prompts, off)
+    oracle.configure(alpha=1.0)
+    llm = engine(model, k=3, drafter=oracle)
+    r = spec_speedup.measure_case(llm, oracle, prompts, {"tokens_per_s": 1.0, "outputs": ref}, 3, 1.0, 40, reruns=2)
+    assert r["reruns"] == 1 and r["diverged"] == 0 and r["exact"] and r["differ_from_plain"] == 0
+    assert r["alpha_measured"] == 1.0 and r["tokens_per_step"] > 3
+
+
+def test_oracle_refuses_unknown_prompts_and_bad_alpha(tiny_model):
+    cfg, _ = tiny_model
+    oracle = OracleDrafter(cfg.vocab_size)
+    with pytest.raises(ValueError, match="alpha"):
+        oracle.configure(alpha=1.5)
+    from k3trt.runtime.speculative import DraftInput  # noqa: PLC0415
+    with pytest.raises(KeyError, match="set_references"):
+        oracle.propose([DraftInput("r", [1, 2, 3])], 3)
+
+
+def test_decode_row_experts_switch_routes_every_row_as_the_first_and_restores(tiny_model):
+    import spec_breakdown  # noqa: PLC0415 (benchmarks/ on sys.path above)
+
+    from k3trt.model.moe import Router  # noqa: PLC0415
+    cfg, model = tiny_model
+    router = next(m for m in model.modules() if isinstance(m, Router))
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    ids0, w0 = router(x)
+    assert not (ids0 == ids0[:1]).all()                      # the rows pick different experts on their own
+    with spec_breakdown.decode_row_experts(model):
+        ids, w = router(x)
+        assert torch.equal(ids, ids0[:1].expand_as(ids0)) and torch.equal(w, w0[:1].expand_as(w0))
+    ids1, w1 = router(x)
+    assert torch.equal(ids1, ids0) and torch.equal(w1, w0) and "forward" not in vars(router)
+
+
+def test_spec_speedup_cpu_smoke(tmp_path):
+    out = tmp_path / "spec.json"
+    printed = run_script("benchmarks/spec_speedup.py", "--device", "cpu", "--preset", "tiny", "--quick",
+                         "--vocab", "1024", "--json", str(out), timeout=300)
+    doc = json.loads(out.read_text())
+    assert not doc["errors"] and "K3 b1 mtp a0.8" in printed
+    spec = [c for c in doc["cases"] if c["kind"] == "spec"]
+    assert {(c["spec_tokens"], c["batch"], c["cost"], c["alpha"]) for c in spec} == \
+        {(k, b, c, a) for k in (1, 3) for b in (1, 4) for c in ("free", "mtp") for a in (0.8, 1.0)}
+    for c in doc["cases"]:
+        assert "error" not in c, (c["name"], c.get("traceback"))
+        assert c["tokens_per_s"] > 0 and "outputs" not in c
+    for c in spec:
+        assert c["exact"] and c["diverged"] == c["reruns"] == c["differ_from_plain"] == 0
+        assert c["verify_ms"] > 0 and c["ideal_speedup"] > 0
+        if c["alpha"] == 1.0:
+            assert c["alpha_measured"] == 1.0
+    assert set(doc["goals"]) == {"b1_K3_a0.8_mtp_2.5x", "b1_K3_a1.0_mtp_3.2x", "b32_K3_a0.8_mtp_1.5x",
+                                 "b1_K3_verify_within_1.1x_decode"}
+
+
+def test_spec_breakdown_cpu_smoke(tmp_path):
+    out = tmp_path / "breakdown.json"
+    printed = run_script("benchmarks/spec_speedup.py", "--device", "cpu", "--preset", "tiny", "--quick",
+                         "--vocab", "1024", "--breakdown", "--breakdown-k", "2", "--json", str(out), timeout=300)
+    r = json.loads(out.read_text())["breakdown"]
+    assert "MoE expert count" in printed and r["rows"] == 3
+    assert set(r["step_ms"]) == {"decode", "verify", "verify-same"} and min(r["step_ms"].values()) > 0
+    parts = {p["part"]: p for p in r["parts"]}
+    assert {"kda", "mla", "moe experts", "moe router", "lm_head", "other"} <= set(parts)
+    assert all(parts["moe experts"][s] > 0 for s in ("decode", "verify", "verify-same"))
+    assert r["moe_expert_count_ms"] == pytest.approx(r["step_ms"]["verify"] - r["step_ms"]["verify-same"], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_train_draft_cpu_smoke(tmp_path):
+    out = tmp_path / "trained.json"
+    printed = run_script("benchmarks/train_draft.py", "--device", "cpu", "--steps", "5", "--tiny",
+                         "--out", str(tmp_path / "ckpt"), "--json", str(out), timeout=600)
+    doc = json.loads(out.read_text())
+    assert "small K3-architecture model trained here" in printed and doc["note"] in printed
+    assert doc["training"]["steps"] == 5 and doc["data"]["train_tokens"] > 0 and doc["data"]["held_out_files"] > 0
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+    names = {c["name"]: c for c in doc["cases"]}
+    assert set(names) == {f"{m} b{b}" for m in ("none", "ngram", "mtp", "layerskip:2") for b in (1, 2)}
+    for c in doc["cases"]:
+        assert c["tokens_per_s"] > 0 and c.get("exact", True), c
+    assert names["mtp b1"]["drafted_tokens"] > 0 and names["layerskip:2 b1"]["drafted_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_spec_benchmarks_gpu_smoke(tmp_path):
+    """The GPU paths (graph replays, MTP-cost drafting, the profiler's CUDA kernels, bf16 autocast
+    training) on tiny sizes: the full runs' first GPU contact."""
+    tiny = ("--preset", "tiny", "--vocab", "1024", "--ks", "2", "--alphas", "0.8", "--batches", "1,4",
+            "--prompt-len", "16", "--max-tokens", "12", "--kv-cache-mb", "512")
+    run_script("benchmarks/spec_speedup.py", *tiny, "--json", str(tmp_path / "s.json"), timeout=600)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert not doc["errors"] and all("error" not in c for c in doc["cases"])
+    assert all(c["verify_ms"] > 0 for c in doc["cases"] if c["kind"] == "spec")
+    run_script("benchmarks/spec_speedup.py", *tiny, "--breakdown", "--json", str(tmp_path / "b.json"), timeout=600)
+    parts = {p["part"]: p for p in json.loads((tmp_path / "b.json").read_text())["breakdown"]["parts"]}
+    assert parts["moe experts"]["decode"] > 0 and parts["kda"]["verify"] > 0
+    run_script("benchmarks/train_draft.py", "--device", "cuda", "--steps", "5", "--tiny", "--json",
+               str(tmp_path / "t.json"), timeout=600)
+    cases = {c["name"]: c for c in json.loads((tmp_path / "t.json").read_text())["cases"]}
+    assert all(c["tokens_per_s"] > 0 for c in cases.values()) and cases["mtp b1"]["drafted_tokens"] > 0
