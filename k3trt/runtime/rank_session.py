@@ -169,6 +169,7 @@ class RankSession(EngineSession):
         check_dcp_page(group.pc, self.page)
         with group.guard("opening the rank sessions"):
             group.send("open", (spec,))
+            group.ready()
             self.local = open_local(model, group.pc, spec, self.device)
 
     @property
@@ -222,8 +223,8 @@ class RankSession(EngineSession):
 class RankWorker:
     """A worker rank's side of the plans: the same calls on its own shard and caches."""
 
-    def __init__(self, model: torch.nn.Module, pc: ParallelConfig, device: torch.device):
-        self.model, self.pc, self.device = model, pc, device
+    def __init__(self, group: RankGroup, model: torch.nn.Module):
+        self.group, self.model, self.pc, self.device = group, model, group.pc, group.device
         self.session: TorchSession | None = None
         self.mtp: MTPShard | None = None
         self.page = 0
@@ -239,6 +240,7 @@ class RankWorker:
 
     def open(self, spec: SessionSpec) -> None:
         self.page = spec.plan.block_size // self.pc.dcp
+        self.group.ready()
         self.session = open_local(self.model, self.pc, spec, self.device)
 
     def prefill(self, batch: Batch) -> None:
@@ -273,7 +275,7 @@ def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None]
     model = load_rank_model(ed, group)
     if rank_init is not None:
         rank_init(group.rank)
-    worker = RankWorker(model, group.pc, group.device)
+    worker = RankWorker(group, model)
     log.info("rank %d of %d ready on %s", group.rank, group.world_size, group.device)
     while True:
         method, args, tensors = group.receive()

@@ -45,6 +45,7 @@ from k3trt.parallel.launch import MULTICAST_OFF
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)     # an idle engine keeps its workers waiting on the control group
+START_TIMEOUT = timedelta(minutes=30)     # every rank's process up (imports, CUDA init) and in the store
 ERROR_KEY = "k3trt/rank_error/{}"
 JOIN_SECONDS = 10.0                       # a worker's clean exit after shutdown, before it is terminated
 REPORT_SECONDS = 2.0                      # how long rank 0 waits for a failed worker's error report
@@ -87,7 +88,7 @@ class RankGroup:
             raise RuntimeError("torch.distributed is already initialised in this process: start a multi-rank "
                                "engine in a fresh process, or under torchrun (every rank runs the same command)")
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", 0, pc.world_size, True, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, pc.world_size, True, timeout=START_TIMEOUT, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         procs = []
         try:
@@ -114,7 +115,7 @@ class RankGroup:
         # the agent's store when torchrun hosts one (its default), else rank 0 hosts it (as env:// does)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              rank == 0 and not agent, timeout=timeout)
+                              rank == 0 and not agent, timeout=START_TIMEOUT)
         cuda = torch.cuda.is_available()
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
         _init(pc, store, device, timeout)
@@ -229,6 +230,11 @@ class RankGroup:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
+    def ready(self) -> None:
+        """Every rank, before the first collective of the model: waits (on the control group, without
+        the step timeout) for the ranks still loading their shards."""
+        dist.barrier(group=self.control)
+
     def leave(self) -> None:
         """A worker after the shutdown plan: the barrier rank 0 waits on, then the process group."""
         with contextlib.suppress(Exception):
@@ -238,6 +244,11 @@ class RankGroup:
 
 
 def _init(pc: ParallelConfig, store: dist.Store, device: torch.device, timeout: timedelta) -> None:
+    """The process group, once every rank is in the store: its connections are made within
+    `timeout`, which rank_timeout_s may make shorter than a worker's start."""
+    if store.add("k3trt/arrived", 1) == pc.world_size:
+        store.set("k3trt/all_arrived", "1")
+    store.wait(["k3trt/all_arrived"])
     cuda = device.type == "cuda"
     if cuda:
         os.environ.update(MULTICAST_OFF)           # before NCCL starts (launch.py says why)
@@ -277,7 +288,7 @@ def _worker_entry(pc: ParallelConfig, port: int, device_type: str, timeout_s: fl
     _watch_parent(parent)
     timeout = timedelta(seconds=timeout_s)
     device = torch.device(f"cuda:{pc.rank % torch.cuda.device_count()}" if device_type == "cuda" else "cpu")
-    store = dist.TCPStore("127.0.0.1", port, pc.world_size, False, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, pc.world_size, False, timeout=START_TIMEOUT)
     _init(pc, store, device, timeout)
     group = RankGroup(pc, store, device, timeout_s)
     run_worker(group, target, args)
