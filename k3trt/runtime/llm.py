@@ -218,6 +218,7 @@ class LLM:
         except RankFailure as e:
             for req in list(self.loop.requests.values()):
                 self.loop.finish(req, FinishReason.ERROR, error=str(e))
+            self.cache.copies.clear()       # KDA checkpoints of a stopped engine: nothing runs them
             raise
 
     @property

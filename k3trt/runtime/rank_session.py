@@ -143,8 +143,9 @@ class MTPShard:
 class RankMTPDrafter(MTPDrafter):
     """MTPDrafter whose forward runs on every rank (rank 0 decides, as MTPDrafter does)."""
 
-    def __init__(self, session: "RankSession", model: torch.nn.Module, *, k_max: int, max_live: int,
+    def __init__(self, session: "RankSession", model: torch.nn.Module, *, k: int, max_live: int,
                  max_model_len: int, block_size: int, sample_drafts: bool = False, **_: Any):
+        k_max = k
         self.group = session.group
         nb = max_live * -(-(max_model_len + k_max) // block_size)
         with self.group.guard("opening the MTP drafter"):
