@@ -34,13 +34,16 @@ REQUESTS = [(20, 16, False), (7, 12, False), (11, 12, True), (19, 6, False)]
 LATE = (17, 6)               # arrives after the first steps
 CANCEL_AT = 3                # the cancelled request (the second) ends after this many steps
 
-LAYOUTS = {       # name -> (layout, speculative); world 4 is the slowest start
-    "tp2": (dict(tp=2), "none"),
-    "dcp2-ngram": (dict(dcp=2), "ngram"),
-    "ep2-mtp": (dict(ep=2), "mtp"),
-    "tp2dcp2ep2-mtp": (dict(tp=2, dcp=2, ep=2, dcp_interleave=2), "mtp"),
-    "tp2dcp2ep4-ngram": (dict(tp=2, dcp=2, ep=4), "ngram"),
+LAYOUTS = {       # name -> (layout, engine options)
+    "tp2": (dict(tp=2), {}),
+    "dcp2-ngram": (dict(dcp=2), dict(speculative="ngram")),
+    "tp2dcp2ep2-mtp": (dict(tp=2, dcp=2, ep=2, dcp_interleave=2), dict(speculative="mtp")),
+    # GraphSession's padded static steps (uncaptured on CPU), with every rank's collectives inside
+    "tp2dcp2ep2-static": (dict(tp=2, dcp=2, ep=2), dict(cuda_graphs=True)),
+    "ep2-mtp": (dict(ep=2), dict(speculative="mtp")),
+    "tp2dcp2ep4-ngram": (dict(tp=2, dcp=2, ep=4), dict(speculative="ngram")),     # 4 ranks
 }
+SLOW = {"ep2-mtp", "tp2dcp2ep4-ngram"}     # CI time: EP runs inside the combined layouts
 
 
 def params(max_tokens, guided):
@@ -82,13 +85,14 @@ def drive(llm):
     return [final[r] for r in rids]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_ranks_give_one_process_greedy_tokens(engine, reference, name):
-    layout, spec = LAYOUTS[name]
+    layout, opts = LAYOUTS[name]
+    spec = opts.get("speculative", "none")
     pc = ParallelConfig(**layout)
     blocks = MAX_MODEL_LEN // (16 * pc.dcp)
-    llm = LLM(engine, verify_checksums=False, max_model_len=MAX_MODEL_LEN, num_blocks=blocks, speculative=spec,
-              spec_tokens=2 if spec != "none" else None, **layout)
+    llm = LLM(engine, verify_checksums=False, max_model_len=MAX_MODEL_LEN, num_blocks=blocks,
+              spec_tokens=2 if spec != "none" else None, **opts, **layout)
     try:
         outs = drive(llm)
         for i, out in enumerate(outs):
@@ -102,6 +106,8 @@ def test_ranks_give_one_process_greedy_tokens(engine, reference, name):
         assert llm.counters["preemptions"] > 0, "the cache was meant to force a preemption"
         if spec == "mtp":       # verify steps with drafts and KDA rollbacks ran on every rank (random
             assert llm.stats()["speculative"]["drafted_tokens"] > 0     # weights: n-gram finds none)
+        if "cuda_graphs" in opts:
+            assert llm.stats()["graphs"].get("static", 0) > 0
         assert_released(llm)
         assert llm.health()["ok"]
     finally:
