@@ -84,6 +84,8 @@ class RankGroup:
         """Rank 0 in this process; ranks 1..world-1 spawned, each running ``target(group, *args)``
         (importable) once its process group is up. Returns rank 0's group."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: start a multi-rank "
                                "engine in a fresh process, or under torchrun (every rank runs the same command)")
@@ -94,7 +96,7 @@ class RankGroup:
         try:
             for r in range(1, pc.world_size):
                 p = ctx.Process(target=_worker_entry, name=f"k3trt-rank{r}", daemon=True,
-                                args=(pc.with_rank(r), store.port, device.type, timeout_s, os.getpid(), target, args))
+                                args=(pc.with_rank(r), store.port, device, timeout_s, os.getpid(), target, args))
                 p.start()
                 procs.append(p)
             _init(pc, store, device, timeout)
@@ -252,6 +254,9 @@ def _init(pc: ParallelConfig, store: dist.Store, device: torch.device, timeout: 
     cuda = device.type == "cuda"
     if cuda:
         os.environ.update(MULTICAST_OFF)           # before NCCL starts (launch.py says why)
+        # a collective past its timeout aborts the communicators and raises in this process, rather
+        # than the default of ending the process (rank 0 is the server: it reports and stays up)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("k3trt/pg", store),
                             rank=pc.rank, world_size=pc.world_size, timeout=timeout,
@@ -282,12 +287,14 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="k3trt-parent-watch", daemon=True).start()
 
 
-def _worker_entry(pc: ParallelConfig, port: int, device_type: str, timeout_s: float, parent: int,
+def _worker_entry(pc: ParallelConfig, port: int, first: torch.device, timeout_s: float, parent: int,
                   target: Callable, args: tuple) -> None:
-    """A spawned worker's process: join the group, run `target` until the shutdown plan."""
+    """A spawned worker's process: join the group, run `target` until the shutdown plan. Rank r
+    takes the r-th GPU after rank 0's."""
     _watch_parent(parent)
     timeout = timedelta(seconds=timeout_s)
-    device = torch.device(f"cuda:{pc.rank % torch.cuda.device_count()}" if device_type == "cuda" else "cpu")
+    device = torch.device("cuda", (first.index + pc.rank) % torch.cuda.device_count()) if first.type == "cuda" \
+        else first
     store = dist.TCPStore("127.0.0.1", port, pc.world_size, False, timeout=START_TIMEOUT)
     _init(pc, store, device, timeout)
     group = RankGroup(pc, store, device, timeout_s)
