@@ -10,6 +10,8 @@ hold only fixed-size caches, so rank 0's leak check plus every worker's clean ex
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -207,3 +209,29 @@ def test_dcp_pages_share_the_logical_block_table(D, I):
         logical = pos[mine] // (page * D)
         assert torch.equal(slots[mine] // page, table[mine, logical].long())
     assert torch.equal(hits, torch.ones_like(hits))
+
+
+TORCHRUN_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from k3trt.runtime.llm import LLM
+llm = LLM(sys.argv[1], verify_checksums=False, tp=2, max_model_len=64)
+outs = llm.generate([[5, 6, 7, 8, 9]], {"max_tokens": 5, "ignore_eos": True})
+print("TOKENS", outs[0].token_ids, llm.health()["ok"])
+llm.close()
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_world_serves_rank_zero(engine, tmp_path):
+    """Every rank runs the same command under torchrun: ranks > 0 serve rank 0 and exit 0."""
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                          str(engine)], capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr[-3000:]
+    one = LLM(engine, verify_checksums=False, max_model_len=64)
+    want = one.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+    one.close()
+    assert f"TOKENS {want} True" in got.stdout
