@@ -5,6 +5,7 @@
     for delta in llm.stream("Hello", SamplingParams(temperature=0.7, seed=1)): print(delta.delta_text)
 
     llm = LLM("engine_dir", speculative="ngram", spec_tokens=3)   # or "draft:CKPT_DIR", "mtp"
+    llm = LLM("engine_dir", tp=2, dcp=2, ep=2)   # one process per rank (rank_session.py); llm.health()
     llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
 
 Raw prompt strings are encoded with special-token strings recognised (as Hugging Face does); use
