@@ -15,6 +15,12 @@ What differs per rank, derived from the same plan on every rank:
            Needs dcp_interleave to divide the page.
   weights  ``rank_weights_dir``: where rank r reads its shard
 
+Per-request state (blocks, KDA slots, drafter and grammar state) lives on rank 0 only, so a
+request that ends there (finished, aborted, failed, preempted) is ended on every rank; a worker
+that raises inside a step stops the engine (ranks.py), since the step's collectives are shared.
+A plan is checked on rank 0 before it goes out: an error before sending ends only that step's
+requests.
+
 Drafters: ngram and draft:DIR run on rank 0 alone; mtp runs the target's sharded MTP layer on
 every rank (``RankMTPDrafter``); layerskip is refused. Lookahead decoding (runtime/lookahead.py)
 is off: it needs a GraphSession on rank 0.

@@ -235,3 +235,41 @@ def test_torchrun_world_serves_rank_zero(engine, tmp_path):
     want = one.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
     one.close()
     assert f"TOKENS {want} True" in got.stdout
+
+
+ORPHAN_SCRIPT = """
+import sys, time, torch
+from k3trt.runtime.llm import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], verify_checksums=False, tp=2, max_model_len=64)
+    print("PIDS", *[p.pid for p in llm.session.group.procs], flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_workers_exit_when_rank_zero_is_killed(engine, tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script), str(engine)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), line
+        workers = [int(p) for p in line.split()[1:]]
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers), "a worker outlived rank 0"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:           # a zombie has exited
+        return f.read().split()[2] != "Z"
