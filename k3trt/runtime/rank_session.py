@@ -70,6 +70,8 @@ def parallel_config(ed: EngineDir | None, *, tp: int | None, dcp: int | None, ep
     None for one process. Options that contradict the engine dir's layout are an error."""
     asked = {k: v for k, v in dict(tp=tp, dcp=dcp, ep=ep, dcp_interleave=dcp_interleave).items() if v is not None}
     built = getattr(ed, "parallel", None)
+    if isinstance(built, dict):
+        built = ParallelConfig(**built)
     if built is not None:
         have = {f: getattr(built, f) for f in asked}
         if have != asked:

@@ -273,3 +273,14 @@ def _alive(pid):
         return False
     with open(f"/proc/{pid}/stat") as f:           # a zombie has exited
         return f.read().split()[2] != "Z"
+
+
+def test_parallel_config_of_an_engine_dir_wins(engine):
+    ed = read_engine_dir(engine, verify_checksums=False)
+
+    class Built:            # an engine dir that records its layout (EngineDir.parallel)
+        path, parallel = ed.path, ParallelConfig(tp=2, ep=2)
+    assert parallel_config(Built, tp=None, dcp=None, ep=None, dcp_interleave=None) == ParallelConfig(tp=2, ep=2)
+    assert parallel_config(Built, tp=2, dcp=None, ep=None, dcp_interleave=None) == ParallelConfig(tp=2, ep=2)
+    with pytest.raises(ValueError, match="was built for"):
+        parallel_config(Built, tp=1, dcp=None, ep=None, dcp_interleave=None)
