@@ -8,6 +8,7 @@ layer, fp32). Rank 0 holds every per-request resource (blocks, slots, drafter st
 hold only fixed-size caches, so rank 0's leak check plus every worker's clean exit covers all ranks.
 """
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -182,6 +183,18 @@ def test_rank_raising_in_a_step_stops_the_engine(engine):
 def test_hung_collective_times_out(engine):
     llm = _start_two(engine, rank_init=_hang_in_third_verify, rank_timeout_s=4)
     _expect_failure(llm, "hung or is slower than rank_timeout_s=4", within=20)
+
+
+def _fail_at_start(rank):
+    raise RuntimeError(f"rank {rank} cannot start")
+
+
+def test_rank_failing_at_start_fails_the_constructor(engine):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 failed: RuntimeError: rank 1 cannot start"):
+        LLM(engine, verify_checksums=False, max_model_len=MAX_MODEL_LEN, tp=2, rank_init=_fail_at_start)
+    assert time.monotonic() - t0 < 60
+    assert not multiprocessing.active_children()      # the worker that did start is gone too
 
 
 # ---------------------------------------------------------------------------------- units
