@@ -46,9 +46,11 @@ NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1):
    (D-1)·T·H_l·576·b and partial
    (out, lse) all-gather (D-1)·T·H_g·(512·b+4) (attention.py), per layer one TP all-reduce of
    [T, hidden] after o_proj and after the MLP / shared experts, per MoE layer one EP all-reduce
-   of [T, latent], and the logits all-gather [rows, V]. That needs the runtime (k3trt/runtime,
-   not touched here) to own one model shard per rank: rank-local caches (cache.allocate_cache),
-   per-rank block tables and dcp_slot_mapping, and the scheduler's decisions broadcast from rank 0.
+   of [T, latent], and the logits all-gather [rows, V]. The runtime owns one shard per rank
+   (k3trt/runtime/ranks.py, rank_session.py: rank 0's plans broadcast, per-rank KDA heads and DCP
+   slot mapping; on CPU/gloo in tests/parallel/test_ranks.py). Not run on GPUs yet, one command
+   on nvidia-h100-x2: python -m pytest -q -m gpu tests/parallel/test_ranks_gpu.py (NCCL steps
+   against one GPU, CUDA graphs captured with the NCCL collectives inside, a killed rank).
 4. Measure the cheaper DCP merge (lse all-gather + reduce-scatter of rescaled outs) against the
    all-gather + merge_attn_states used now. TensorRT engines have no collectives yet: TP engines
    would need a k3trt all-reduce plugin over NCCL (as TensorRT-LLM has); only the torch backend

@@ -13,6 +13,8 @@ A group of size 1 is a no-op in every implementation.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -56,9 +58,10 @@ _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class TorchComm(Comm):
     """torch.distributed collectives. The default process group must be initialised with
     world size == pc.world_size and rank == pc.rank; constructing one is collective (every rank
-    creates every subgroup, in the same order)."""
+    creates every subgroup, in the same order). `timeout`: the subgroups' collective timeout
+    (None: torch's default for the backend)."""
 
-    def __init__(self, pc: ParallelConfig):
+    def __init__(self, pc: ParallelConfig, timeout: timedelta | None = None):
         super().__init__(pc)
         if not dist.is_initialized():
             raise RuntimeError("TorchComm needs torch.distributed.init_process_group first "
@@ -75,7 +78,7 @@ class TorchComm(Comm):
                 self._groups[name] = dist.group.WORLD
                 continue
             for ranks in pc.all_groups(name):
-                g = dist.new_group(list(ranks))
+                g = dist.new_group(list(ranks), timeout=timeout)
                 if pc.rank in ranks:
                     self._groups[name] = g
 

@@ -157,6 +157,12 @@ class GraphSession(TorchSession):
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        # A sharded model's steps hold NCCL collectives (every rank captures the same graphs in the
+        # same order, so they pair up). NCCL's watchdog thread queries events while this thread
+        # captures: the capture must refuse unsafe calls of this thread only, and start after the
+        # warm-up's collectives are done.
+        sharded = getattr(self.model, "comm", None) is not None and self.model.comm.pc.world_size > 1
+        mode = "thread_local" if sharded else "global"
         # largest first: later, smaller graphs reuse the pool's blocks
         for (S, Q), st in sorted(self.steps.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
             st.layout.pad(st.host, self.spare_slot)        # capture runs on an all-padding step
@@ -167,8 +173,10 @@ class GraphSession(TorchSession):
                 for _ in range(2):      # compiles the Triton kernels and settles the allocator
                     self._run_static(st)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if sharded:
+                torch.cuda.synchronize(self.device)
             st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=pool), torch.inference_mode():
+            with torch.cuda.graph(st.graph, pool=pool, capture_error_mode=mode), torch.inference_mode():
                 self._run_static(st)
         torch.cuda.synchronize(self.device)
         log.info("captured %d step graphs (capacity x rows: %s) in %.1fs", len(self.steps),

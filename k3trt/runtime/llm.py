@@ -5,6 +5,7 @@
     for delta in llm.stream("Hello", SamplingParams(temperature=0.7, seed=1)): print(delta.delta_text)
 
     llm = LLM("engine_dir", speculative="ngram", spec_tokens=3)   # or "draft:CKPT_DIR", "mtp"
+    llm = LLM("engine_dir", tp=2, dcp=2, ep=2)   # one process per rank (rank_session.py); llm.health()
     llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
 
 Raw prompt strings are encoded with special-token strings recognised (as Hugging Face does); use
@@ -41,7 +42,9 @@ from k3trt.runtime.kv_cache import CacheManager, plan_cache
 from k3trt.runtime.loop import StepLoop
 from k3trt.runtime.onnx_session import OnnxSession
 from k3trt.runtime.params import RequestError, SamplingParams
-from k3trt.runtime.request import Request, RequestOutput
+from k3trt.runtime.rank_session import open_rank_session, parallel_config, start_ranks
+from k3trt.runtime.ranks import RankFailure
+from k3trt.runtime.request import FinishReason, Request, RequestOutput
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 from k3trt.runtime.spec_step import Speculator
 from k3trt.runtime.speculative import Drafter, NoDrafter, make_drafter, spec_tokens_for
@@ -74,6 +77,12 @@ class EngineOptions:
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
     cuda_graphs: bool | None = None       # decode/verify steps as CUDA graphs; None: on CUDA in bf16/fp16
                                           # (True off CUDA: the padded static steps, uncaptured)
+    tp: int | None = None                 # multi-rank layout (rank_session.py); None: the engine dir's, else 1
+    dcp: int | None = None
+    ep: int | None = None
+    dcp_interleave: int | None = None
+    rank_timeout_s: float = 300.0         # a collective that takes longer stops a multi-rank engine
+    rank_init: Callable[[int], None] | None = None   # run on each worker rank after loading (importable)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -88,12 +97,22 @@ class LLM:
     def __init__(self, engine_dir: str | Path, device: str | torch.device = "cpu", **options: Any):
         t0 = time.perf_counter()
         opts = EngineOptions.from_kwargs(options)
-        self.engine_dir = ed = read_engine_dir(engine_dir, verify_checksums=opts.verify_checksums)
+        self.engine_dir = ed = read_engine_dir(engine_dir, verify_checksums=opts.verify_checksums, rank=0)
         device = torch.device(device)
-        model = _load_torch_model(ed, device) if ed.backend == "torch" else None
-        opener = SESSIONS[ed.backend]
-        self._setup(ed.model, ed.build, ed.capacities, ed.tokenizer_dir, device, opts,
-                    lambda **kw: opener(ed, model, **kw), model=model)
+        pc = parallel_config(ed, tp=opts.tp, dcp=opts.dcp, ep=opts.ep, dcp_interleave=opts.dcp_interleave)
+        if pc is not None:      # rank 0 of a multi-rank engine (a torchrun worker rank never returns)
+            group, model = start_ranks(ed, pc, device, timeout_s=opts.rank_timeout_s, rank_init=opts.rank_init)
+            try:
+                self._setup(ed.model, ed.build, ed.capacities, ed.tokenizer_dir, group.device, opts,
+                            lambda **kw: open_rank_session(group, model, **kw), model=model, dcp=pc.dcp)
+            except BaseException:
+                group.close()
+                raise
+        else:
+            model = _load_torch_model(ed, device) if ed.backend == "torch" else None
+            opener = SESSIONS[ed.backend]
+            self._setup(ed.model, ed.build, ed.capacities, ed.tokenizer_dir, device, opts,
+                        lambda **kw: opener(ed, model, **kw), model=model)
         log.info("engine ready in %.1fs: %s (%s backend)", time.perf_counter() - t0, ed.path, ed.backend)
 
     @classmethod
@@ -115,10 +134,11 @@ class LLM:
 
     def _setup(self, cfg, b: BuildConfig, caps: Capacities, tokenizer_dir: Path | None, device: torch.device,
                opts: EngineOptions, open_session: Callable[..., EngineSession], *,
-               model: torch.nn.Module | None, drafter: Drafter | None = None) -> None:
+               model: torch.nn.Module | None, drafter: Drafter | None = None, dcp: int = 1) -> None:
         """Everything above the session, which `open_session` makes (SESSIONS); `model`: the
         target of the model-running drafters (mtp, layerskip), None for engine backends;
-        `drafter`: a given drafter instead of make_drafter's."""
+        `drafter`: a given drafter instead of make_drafter's. `dcp`: the scheduler's blocks hold
+        block_size · dcp tokens, block_size on each rank (rank_session.py)."""
         self.options = opts
         hybrid = bool(cfg.kda_layers)
         max_num_tokens = min(opts.max_num_tokens or b.max_num_tokens, b.max_num_tokens)
@@ -134,9 +154,9 @@ class LLM:
                                       hybrid=hybrid)
         checkpoints = (verify[-1] if opts.kda_checkpoints is None else opts.kda_checkpoints) \
             if hybrid and opts.prefix_caching else 0
-        budget = opts.kv_cache_memory or (int(torch.cuda.mem_get_info(device)[0] * GPU_CACHE_FRACTION)
-                                          if device.type == "cuda" else CPU_CACHE_BYTES)
-        plan = plan_cache(cfg, budget_bytes=budget, block_size=opts.block_size or b.block_size,
+        budget = dcp * (opts.kv_cache_memory or (int(torch.cuda.mem_get_info(device)[0] * GPU_CACHE_FRACTION)
+                                          if device.type == "cuda" else CPU_CACHE_BYTES))
+        plan = plan_cache(cfg, budget_bytes=budget, block_size=dcp * (opts.block_size or b.block_size),
                           max_live=verify[-1], max_model_len=self.max_model_len, kv_dtype=b.kv_torch_dtype,
                           state_dtype=b.torch_dtype, num_blocks=opts.num_blocks, num_checkpoints=checkpoints,
                           max_q=k + 1 if k else 0)
@@ -148,9 +168,9 @@ class LLM:
         if not k:
             drafter = NoDrafter()
         elif drafter is None:
-            drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
-                                   target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
-                                   sample_drafts=True, graphs=graphs)
+            drafter = getattr(self.session, "make_drafter", make_drafter)(
+                opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len, target=model,
+                dtype=b.torch_dtype, device=device, block_size=plan.block_size, sample_drafts=True, graphs=graphs)
         self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
@@ -165,6 +185,9 @@ class LLM:
 
     # ---------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> str:
+        check = getattr(getattr(self.session, "group", None), "check", None)
+        if check is not None:
+            check()                         # RankFailure: a stopped multi-rank engine takes no request
         req = self.loop.new_request(prompt, params, 0, request_id)
         self.loop.submit(req)
         return req.request_id
@@ -181,16 +204,32 @@ class LLM:
         xgrammar refuses. The one method safe to call from another thread than the loop's."""
         return self.loop.grammars.submit(spec)
 
+    def health(self) -> dict[str, Any]:
+        """{"ok": bool, "ranks": [{"rank", "alive", "exitcode"}], "error": str | None}: not ok once a
+        multi-rank engine stopped (a server answers 503)."""
+        health = getattr(self.session, "health", None)
+        return health() if health is not None else {"ok": True, "ranks": [{"rank": 0, "alive": True,
+                                                                           "exitcode": None}], "error": None}
+
     def close(self) -> None:
-        """Stop the grammar compile threads and free what the session allocated (engine backends)."""
+        """Stop the grammar compile threads and free what the session allocated (engine backends;
+        a multi-rank engine's workers exit)."""
         self.loop.close()
         close = getattr(self.session, "close", None)
         if close is not None:
             close()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns a snapshot (with deltas) of every request that changed."""
-        return self.loop.step()
+        """One scheduler step; returns a snapshot (with deltas) of every request that changed. A
+        multi-rank engine that stops raises RankFailure here, after ending every live request with
+        that error (their final snapshots come with the next step())."""
+        try:
+            return self.loop.step()
+        except RankFailure as e:
+            for req in list(self.loop.requests.values()):
+                self.loop.finish(req, FinishReason.ERROR, error=str(e))
+            self.cache.copies.clear()       # KDA checkpoints of a stopped engine: nothing runs them
+            raise
 
     @property
     def counters(self) -> dict[str, Any]:

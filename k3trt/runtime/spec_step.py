@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from k3trt.runtime import sampling
+from k3trt.runtime.ranks import RankFailure
 from k3trt.runtime.request import Request
 from k3trt.runtime.step import Rows
 from k3trt.runtime.speculative import (AcceptanceStats, Accepted, DraftInput, Drafter, NoDrafter, accept_greedy,
@@ -80,6 +81,8 @@ class Speculator:
             got = [(t, prop.q(i)) for i, t in enumerate(prop.tokens)]
             if len(got) != len(inputs):
                 raise RuntimeError(f"{len(got)} proposals for {len(inputs)} requests")
+        except RankFailure:          # the engine stopped (a sharded drafter's rank): not this batch's fault
+            raise
         except Exception as e:    # find the request at fault: one at a time
             log.warning("drafter %s failed on a batch of %d (%s: %s); retrying one request at a time",
                         self.drafter.name, len(inputs), type(e).__name__, e)

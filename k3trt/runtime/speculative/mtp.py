@@ -67,7 +67,8 @@ class MTPDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, k_max: int, max_live: int, max_model_len: int,
-                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False):
+                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False,
+                 cache: ModelCache | None = None):
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers = 0): "
                              "use --speculative ngram or draft:DIR")
@@ -76,8 +77,9 @@ class MTPDrafter(Drafter):
         self.block_size, self.sample_drafts = block_size, sample_drafts
         self.idx = cfg.num_hidden_layers          # MTP layer 0 (k3.py: layers[num_hidden_layers + j])
         nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
-        self.cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=1, dtype=p.dtype,
-                                         device=self.device, layers=range(self.idx, self.idx + 1))
+        # `cache`: one the caller allocated for these nb blocks (a rank's shard: runtime/rank_session.py)
+        self.cache = cache or ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=1,
+                                                  dtype=p.dtype, device=self.device, layers=range(self.idx, self.idx + 1))
         self.blocks = BlockList(nb)
         self.seqs: dict[str, _MTPSeq] = {}
         self.blind: set[str] = set()      # requests whose first hand-over skipped positions (prefix hit)
@@ -159,8 +161,14 @@ class MTPDrafter(Drafter):
         the lm_head only at the last rows: step 0 may hold a whole prompt, and logits for every row
         would cost T x V."""
         ids, ctx = step_context(steps, self.block_size, self.device)
-        m = self.model
-        layer = m.model.layers[self.idx]
-        h = layer(m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
-        g = layer.shared_head.norm(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
-        return g, m.lm_head(g).float()
+        return mtp_forward(self.model, self.cache, ids, ctx, prev)
+
+
+def mtp_forward(model: torch.nn.Module, cache: ModelCache, ids: torch.Tensor, ctx, prev: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MTP layer 0 over one step (MTPDrafter._step's forward): (g at each sequence's last row after
+    shared_head.norm [S, H], its logits [S, V] fp32, gathered over TP ranks)."""
+    layer = model.model.layers[model.cfg.num_hidden_layers]
+    h = layer(model.model.embed_tokens(ids), prev.to(model.lm_head.weight.dtype), ctx, cache)
+    g = layer.shared_head.norm(h[torch.tensor(ctx.cu_q[1:], device=ids.device) - 1])
+    return g, model._head(g).float()
