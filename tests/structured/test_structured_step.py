@@ -7,6 +7,8 @@ forward (GuidedState.admit, no mask), the mask rows are filled after it is launc
 - through the runtime (speculation off, n-gram, draft model; one-by-one and batched fills): greedy
   guided outputs equal masked greedy decoding by full recompute, and after every step each live
   matcher equals a fresh matcher fed the committed tokens;
+- model drafts (MTP, a self-draft) are drawn under the grammar: outputs unchanged, and the
+  self-draft's drafts all pass where unmasked ones were cut;
 - a grammar fault in the post-launch fill ends only its request, commits nothing for it, and
   leaks nothing."""
 
@@ -27,6 +29,7 @@ from k3trt.model.context import ModelCache, StepContext  # noqa: E402
 from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime.llm import LLM  # noqa: E402
 from k3trt.runtime.params import SamplingParams  # noqa: E402
+from k3trt.runtime.speculative.draw import Drawer  # noqa: E402
 from k3trt.runtime.structured import (  # noqa: E402
     GrammarCache,
     GrammarVocab,
@@ -146,7 +149,8 @@ def test_fill_masks_batch_equals_fill_masks(threads, guides, vocab):
 @pytest.fixture(scope="module")
 def llms(engine, tmp_path_factory):
     draft = make_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny-seed1", seed=1)
-    arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft}"}
+    arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft}", "self": f"draft:{engine / 'rank0'}",
+           "mtp": "mtp"}
     out = {name: LLM(engine, verify_checksums=False, speculative=a, spec_tokens=3) for name, a in arg.items()}
     yield out
     for llm in out.values():
@@ -221,6 +225,36 @@ def test_runtime_greedy_equals_masked_greedy(spec, batched, llms, tok, vocab, gu
         assert_released(llm)
     finally:
         g.batch_min = 8
+
+
+def test_drafts_drawn_under_the_grammar(llms, tok, vocab, guides, tiny_model, monkeypatch):
+    """Model drafts of a guided request are drawn under its grammar (speculative/draw.py): outputs
+    stay masked greedy decoding's (MTP and the target drafting for itself), and the self-draft has
+    every draft accepted, where the same drafts drawn without the mask were cut at the first
+    token the grammar refused."""
+    cfg, model = tiny_model
+    guide = guides["json"]
+    prompts = [tok.encode(f"Example: {EXAMPLE}\nAnother{i}:") for i in range(2)]
+    params = SamplingParams(max_tokens=40, guided=guide)
+    want = [masked_greedy(model, cfg, vocab, guide, p, 40) for p in prompts]
+    for name in ("mtp", "self"):
+        llm = llms[name]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want, name
+        s = llm.stats()["speculative"]
+        assert s["drafter"]["masked_drafts"] > 0 and s["drafted_tokens"] > 0, name
+        assert_released(llm)
+    s = llms["self"].stats()["speculative"]
+    assert s["acceptance_rate"] == 1.0 and s["drafter"]["redirected_drafts"] > 0
+    assert s["proposed_tokens"] == s["drafted_tokens"]            # the grammar cut nothing
+    with monkeypatch.context() as m:      # the same drafter, drafts drawn without the grammar
+        m.setattr(Drawer, "masks", lambda self, inputs: None)
+        llm = llms["self"]
+        before = llm.stats()["speculative"]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        after = llm.stats()["speculative"]
+    unmasked = {k: after[k] - before[k] for k in ("proposed_tokens", "drafted_tokens", "accepted_tokens")}
+    assert unmasked["drafted_tokens"] < unmasked["proposed_tokens"]          # cut at refused tokens
+    assert unmasked["accepted_tokens"] < s["accepted_tokens"]
 
 
 class _ExplodingMatcher:

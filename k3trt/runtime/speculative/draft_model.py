@@ -35,7 +35,9 @@ from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache, StepContext
 from k3trt.model.loader import load_model
 from k3trt.runtime import sampling
+from k3trt.runtime.speculative.draft_vocab import DraftHead
 from k3trt.runtime.speculative.drafter import Drafter, DraftInput, Proposal, common_prefix
+from k3trt.runtime.speculative.draw import Drawer
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +84,6 @@ class BlockList:
         blocks.clear()
 
 
-def pick(logits: torch.Tensor, inputs: Sequence[DraftInput], generators: Sequence[torch.Generator | None],
-         sample_drafts: bool) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One draft per row of logits [R, V]: argmax (q one-hot: None), or a draw from the request's
-    processed distribution when it samples and `sample_drafts` (q: that row)."""
-    tokens, qs = logits.argmax(-1).tolist(), []
-    for r, (inp, g) in enumerate(zip(inputs, generators)):
-        if sample_drafts and inp.params is not None and not inp.params.greedy:
-            q = sampling.probs(logits[r:r + 1].float(), inp.params)
-            tokens[r] = int(sampling.draw(q, g)[0])
-            qs.append(q[0])
-        else:
-            qs.append(None)
-    return tokens, qs
-
-
 def stack_q(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if not rows or any(r is None for r in rows) else torch.stack(rows)
 
@@ -114,10 +101,12 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, k_max: int, max_live: int, max_model_len: int,
-                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False):
+                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False,
+                 draft_vocab: torch.Tensor | None = None):
         p = next(model.parameters())
         self.model, self.cfg, self.device, self.k_max = model, cfg, p.device, k_max
         self.block_size, self.sample_drafts = block_size, sample_drafts
+        self.draw = drawer(model, cfg, draft_vocab, sample_drafts)
         nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
         self.cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=max_live,
                                          max_q=k_max, dtype=p.dtype, device=self.device,
@@ -159,27 +148,39 @@ class DraftModelDrafter(Drafter):
         if not live:
             return out
         qs: dict[int, list] = {i: [] for i, *_ in live}
-        with torch.inference_mode():
-            steps = [SeqStep(inp.token_ids[st.cached:], st.cached, st.blocks, st.slot) for _, inp, st, _ in live]
-            for _, inp, st, _ in live:
-                st.cached = len(inp.token_ids)
-            rows = live
-            for j in range(max(w for *_, w in live)):
-                if j:
-                    rows = [r for r in rows if r[3] > j]
-                    steps = [SeqStep([out.tokens[i][-1]], st.cached + j - 1, st.blocks, st.slot) for i, _, st, _ in rows]
-                    for i, _, st, _ in rows:
-                        st.fed.append(out.tokens[i][-1])
-                logits = self._logits(steps)
-                self._save_state([st.slot for _, _, st, _ in rows], j)
-                toks, q = pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
-                               self.sample_drafts)
-                for (i, *_), t, qr in zip(rows, toks, q):
-                    out.tokens[i].append(t)
-                    qs[i].append(qr)
+        masks = self.draw.masks([inp for _, inp, _, _ in live])
+        try:
+            with torch.inference_mode():
+                self._draft(live, out, qs, masks)
+        finally:
+            if masks is not None:
+                masks.close()
         for i in qs:
             out.probs[i] = stack_q(qs[i])
         return out
+
+    def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks) -> None:
+        """The draft steps of propose (module doc); a row whose draw gives no token drafts no further."""
+        steps = [SeqStep(inp.token_ids[st.cached:], st.cached, st.blocks, st.slot) for _, inp, st, _ in live]
+        for _, inp, st, _ in live:
+            st.cached = len(inp.token_ids)
+        rows = live
+        for j in range(max(w for *_, w in live)):
+            if j:
+                rows = [r for r in rows if r[3] > j and len(out.tokens[r[0]]) == j]
+                if not rows:
+                    return
+                steps = [SeqStep([out.tokens[i][-1]], st.cached + j - 1, st.blocks, st.slot) for i, _, st, _ in rows]
+                for i, _, st, _ in rows:
+                    st.fed.append(out.tokens[i][-1])
+            logits = self._logits(steps)
+            self._save_state([st.slot for _, _, st, _ in rows], j)
+            toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
+                                     masks)
+            for (i, *_), t, qr in zip(rows, toks, q):
+                if t is not None:
+                    out.tokens[i].append(t)
+                    qs[i].append(qr)
 
     def on_commit(self, request_id: str, tokens: Sequence[int]) -> None:
         st = self.seqs.get(request_id)
@@ -191,6 +192,9 @@ class DraftModelDrafter(Drafter):
         if st is not None:
             self.blocks.give(st.blocks)
             self.free_slots.append(st.slot)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.draw.counts)
 
     # ------------------------------------------------------------------------ internals
     def _seq(self, inp: DraftInput) -> _DraftSeq | None:
@@ -204,10 +208,11 @@ class DraftModelDrafter(Drafter):
         return st
 
     def _logits(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Logits fp32 over the draft head's columns at each step's last row [S, head.size]."""
         ids, ctx = step_context(steps, self.block_size, self.device)
         hidden = self.model(ids, ctx, self.cache)
         last = torch.tensor(ctx.cu_q[1:], device=self.device) - 1
-        return self.model.logits(hidden[last])
+        return self.draw.head(self.model.model.norm(hidden[last]))
 
     def _save_state(self, slots: list[int], j: int) -> None:
         s = torch.tensor(slots, device=self.device)
@@ -224,3 +229,12 @@ class DraftModelDrafter(Drafter):
                 layer.conv[st.slot] = layer.step_conv[st.slot, m]
         st.cached += m
         st.fed = []
+
+
+def drawer(model: torch.nn.Module, cfg: ModelConfig, draft_vocab: torch.Tensor | None, sample_drafts: bool) -> Drawer:
+    """The Drawer over `model`'s lm_head, reduced to `draft_vocab` when given (draft_vocab.py)."""
+    if draft_vocab is not None and getattr(model, "vocab_parallel", False):
+        raise ValueError("a reduced draft vocabulary needs the drafter's whole lm_head on one rank "
+                         "(this model's is vocab-parallel); leave draft_vocab_size unset")
+    return Drawer(DraftHead(model.lm_head, draft_vocab, full=getattr(model, "_head", None)), cfg.vocab_size,
+                  sample_drafts)
