@@ -72,6 +72,8 @@ class EngineOptions:
     seed: int = 0                         # draws the seeds of requests that bring none
     speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
+    draft_vocab_size: int | None = None   # model drafters score only this many ids (speculative/draft_vocab.py)
+    draft_vocab_counts: str | None = None  # token counts file ranking them; None: merge order
     cuda_graphs: bool | None = None       # decode/verify steps as CUDA graphs; None: on CUDA in bf16/fp16
                                           # (True off CUDA: the padded static steps, uncaptured)
 
@@ -141,7 +143,8 @@ class LLM:
                                     graphs=graphs, build=b, max_model_len=self.max_model_len)
         drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
                                target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
-                               sample_drafts=True, graphs=graphs) if k else NoDrafter()
+                               sample_drafts=True, graphs=graphs, draft_vocab_size=opts.draft_vocab_size,
+                               draft_vocab_counts=opts.draft_vocab_counts) if k else NoDrafter()
         self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)

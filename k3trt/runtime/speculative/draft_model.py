@@ -19,7 +19,8 @@ are stale but never read: the next step overwrites them before attending up to i
 
 Drafts are the draft model's argmax (one-hot q) unless ``sample_drafts`` and the request samples:
 then d_j is drawn from q = sampling.probs(draft logits, request params) with a generator of the
-drafter's own (seeded by DraftInput.seed), and q is returned for stochastic acceptance.
+drafter's own (seeded by DraftInput.seed), and q is returned for stochastic acceptance. Guided
+requests draw under their grammar, and a reduced draft vocabulary narrows the head (draw.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -120,12 +121,14 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, *, target_cfg: ModelConfig | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        draft_vocab: Callable[[int], torch.Tensor | None] | None = None,
                         **kw) -> "DraftModelDrafter":
+        """`draft_vocab`: the reduced draft vocabulary for the checkpoint's vocabulary size, or None."""
         cfg, model = load_model(ckpt_dir, dtype=dtype, device=device)
         if target_cfg is not None and cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"draft checkpoint {ckpt_dir} has vocab_size {cfg.vocab_size} but the target has "
                              f"{target_cfg.vocab_size}: a draft model must share the target's tokenizer")
-        return cls(model, cfg, **kw)
+        return cls(model, cfg, draft_vocab=None if draft_vocab is None else draft_vocab(cfg.vocab_size), **kw)
 
     # ------------------------------------------------------------------------ drafter API
     def propose(self, inputs: Sequence[DraftInput], k: int) -> Proposal:
@@ -194,7 +197,7 @@ class DraftModelDrafter(Drafter):
             self.free_slots.append(st.slot)
 
     def stats(self) -> dict[str, int]:
-        return dict(self.draw.counts)
+        return self.draw.stats()
 
     # ------------------------------------------------------------------------ internals
     def _seq(self, inp: DraftInput) -> _DraftSeq | None:

@@ -91,6 +91,9 @@ class Drawer:
         self.head, self.vocab_size, self.sample_drafts = head, vocab_size, sample_drafts
         self.counts: Counter = Counter()
 
+    def stats(self) -> dict[str, int]:
+        return {**self.counts, **({"draft_vocab_size": self.head.size} if self.head.reduced else {})}
+
     def masks(self, inputs: Sequence[DraftInput]) -> DraftMasks | None:
         return DraftMasks(inputs, self.vocab_size, self.counts) if any(i.guide is not None for i in inputs) else None
 

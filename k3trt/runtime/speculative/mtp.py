@@ -148,7 +148,7 @@ class MTPDrafter(Drafter):
             self.blocks.give(st.blocks)
 
     def stats(self) -> dict[str, int]:
-        return dict(self.draw.counts)
+        return self.draw.stats()
 
     # ------------------------------------------------------------------------ internals
     def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:
