@@ -5,22 +5,26 @@
   and through the runtime a resumed request gets drafts and still decodes exactly as plain greedy;
 - a reduced draft vocabulary: make_draft_vocab / counts files; the reduced head's logits are the
   full head's columns; drafts come only from the reduced set; q is a distribution over all ids
-  that is 0 off the set; greedy output through the runtime equals plain greedy.
+  that is 0 off the set; greedy output through the runtime equals plain greedy;
+- MTP draft steps through static steps (CUDA graphs on the GPU; the same padded path uncaptured on
+  the CPU) equal the eager steps.
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 from runtime_utils import BLOCK, assert_released, prompts
 
 from k3trt.model.context import ModelCache, StepContext
+from k3trt.model.loader import load_model
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.speculative import DraftInput, make_drafter
-from k3trt.runtime.speculative.draft_model import DraftModelDrafter
+from k3trt.runtime.speculative.draft_model import DraftModelDrafter, SeqStep
 from k3trt.runtime.speculative.draft_vocab import DraftHead, draft_vocab_ids, load_token_counts, make_draft_vocab
 from k3trt.runtime.speculative.mtp import MTPDrafter
 from k3trt.testing import assert_close
@@ -183,3 +187,71 @@ def test_draft_vocab_option_is_checked(engine):
         LLM(engine, verify_checksums=False, speculative="ngram", draft_vocab_size=100)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         make_drafter("mtp", k=2, max_live=1, max_model_len=64, draft_vocab_size=0, target=None)
+
+
+# ------------------------------------------------------------------------------ MTP static steps
+def test_mtp_static_steps_equal_eager(tiny_model):
+    """The padded static MTP steps (graphs=True off CUDA: the graphs' path, uncaptured) propose what
+    the eager steps do, for a batch of requests with uneven catch-ups after random rejections."""
+    cfg, model = tiny_model
+    rng = random.Random(5)
+    kw = dict(k_max=3, max_live=4, max_model_len=128, sample_drafts=True)
+    A, B = MTPDrafter(model, cfg, graphs=True, **kw), MTPDrafter(model, cfg, graphs=False, **kw)
+    hists = prompts(12, [13, 17, 20])
+    params = SamplingParams(temperature=1.0)
+    for i, h in enumerate(hists):
+        hid = target_hidden(model, cfg, h)
+        h.append(int(model.logits(hid[-1:]).argmax()))
+        for D in (A, B):
+            D.on_hidden(f"r{i}", 0, hid)
+    for step in range(6):
+        ks = [rng.randint(1, 3) for _ in hists]
+        inputs = [DraftInput(f"r{i}", h, max_drafts=k, params=params, seed=i) for i, (h, k) in enumerate(zip(hists, ks))]
+        got, want = A.propose(inputs, 3), B.propose(inputs, 3)
+        assert got.tokens == want.tokens, step
+        for i in range(len(hists)):
+            assert_close(got.probs[i], want.probs[i], atol=1e-5, rtol=1e-3, name=f"q of r{i} at step {step}")
+        for i, (h, d) in enumerate(zip(hists, got.tokens)):
+            n = rng.randint(0, len(d))
+            rows = target_hidden(model, cfg, h + d[:n])[len(h) - 1:]
+            for D in (A, B):
+                D.on_hidden(f"r{i}", len(h) - 1, rows)
+            h.extend(d[:n] + [rng.randrange(1000)])
+    s = A.stats()
+    assert s["static_steps"] > 0 and s["eager_steps"] == 1          # only the first catch-up (whole prompts)
+    for i in range(len(hists)):
+        A.release(f"r{i}")
+        B.release(f"r{i}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mtp_graph_step_equals_eager_step(tiny_ckpt, device):
+    """One draft step and one uneven catch-up through the graph (captured on CUDA in bf16; the
+    static path on the CPU in fp32) against the eager step on the same cache and inputs."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg, model = load_model(tiny_ckpt, dtype=dtype, device=device)
+    A = MTPDrafter(model, cfg, k_max=3, max_live=4, max_model_len=128, graphs=True)
+    assert A.graphs is not None and A.graphs.capture == (device == "cuda")
+    hists = prompts(14, [15, 21, 9])
+    for i, h in enumerate(hists):
+        with torch.inference_mode():
+            A.on_hidden(f"r{i}", 0, torch.randn(len(h) - 1, cfg.hidden_size, dtype=dtype, device=device))
+    A.propose([DraftInput(f"r{i}", h) for i, h in enumerate(hists)], 1)     # step 0 over whole prompts: eager
+    cases = {"draft step": [SeqStep([h[-1]], len(h) - 1, A.seqs[f"r{i}"].blocks, 0) for i, h in enumerate(hists)],
+             "catch-up": [SeqStep(h[-3:][:q], len(h) - 3, A.seqs[f"r{i}"].blocks, 0)
+                          for i, (h, q) in enumerate(zip(hists, [3, 1, 2]))]}
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    for name, steps in cases.items():
+        T = sum(len(s.tokens) for s in steps)
+        with torch.inference_mode():
+            prev = torch.randn(T, cfg.hidden_size, dtype=dtype, device=device)
+            key = A.graphs.fits(steps)
+            assert key is not None, name
+            g_graph, l_graph = (t.clone() for t in A.graphs.run(key, steps, prev))
+            graphs, A.graphs = A.graphs, None
+            g_eager, l_eager = A._step(steps, prev)
+            A.graphs = graphs
+        assert_close(g_graph.float(), g_eager.float(), name=f"{name}: g", **tol)
+        assert_close(l_graph, l_eager, name=f"{name}: logits", **tol)
+    for i in range(len(hists)):
+        A.release(f"r{i}")

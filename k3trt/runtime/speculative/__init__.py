@@ -89,7 +89,7 @@ def make_drafter(spec: str, *, k: int, max_live: int, max_model_len: int, target
     if spec == "mtp":
         if target is None:
             raise ValueError("--speculative mtp needs the target model (its MTP layers)")
-        return MTPDrafter(target, target.cfg, draft_vocab=vocab(target.cfg.vocab_size), **kw)
+        return MTPDrafter(target, target.cfg, graphs=graphs, draft_vocab=vocab(target.cfg.vocab_size), **kw)
     if spec.startswith("layerskip:"):
         n = spec[len("layerskip:"):]
         if target is None or not n.isdigit():

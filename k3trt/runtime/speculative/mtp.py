@@ -36,6 +36,7 @@ begins at b, its cache rows are those of positions b.. and its MLA attention rea
 window is laid out at local positions p - b; RoPE is relative, so that is the MTP layer run on the
 history from b on, at its true positions. No target row is recomputed; drafts start with the first
 decode step and see more context as the request goes on.
+Draft steps replay CUDA graphs per batch capacity where they fit (mtp_graphs.py; ``graphs``).
 Only MTP layer 0 is used; further layers (num_nextn_predict_layers > 1) are not (see the report).
 """
 
@@ -50,9 +51,11 @@ import torch
 from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache
 from k3trt.runtime import sampling
+from k3trt.runtime.graphs import graphs_by_default
 from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, drawer, stack_q, step_context
 from k3trt.runtime.speculative.drafter import DraftInput, Drafter, Proposal
 from k3trt.runtime.speculative.draw import DraftMasks
+from k3trt.runtime.speculative.mtp_graphs import MTPGraphs
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class MTPDrafter(Drafter):
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, k_max: int, max_live: int, max_model_len: int,
                  block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False,
-                 draft_vocab: torch.Tensor | None = None):
+                 draft_vocab: torch.Tensor | None = None, graphs: bool | None = None):
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers = 0): "
                              "use --speculative ngram or draft:DIR")
@@ -91,6 +94,16 @@ class MTPDrafter(Drafter):
                                          device=self.device, layers=range(self.idx, self.idx + 1))
         self.blocks = BlockList(nb)
         self.seqs: dict[str, _MTPSeq] = {}
+        self.eager_steps = 0
+        if graphs is None:
+            graphs = graphs_by_default(self.device, p.dtype)
+        self.graphs = MTPGraphs(self._forward, self._finish, hidden_size=cfg.hidden_size, dtype=p.dtype,
+                                device=self.device, max_live=max_live, k_max=k_max,
+                                max_blocks=-(-(max_model_len + k_max) // block_size), block_size=block_size,
+                                ) if graphs else None
+        log.info("MTP drafter: k <= %d, draft vocabulary %s, CUDA graphs %s", k_max,
+                 self.draw.head.size, "off" if self.graphs is None else "on" if self.graphs.capture
+                 else "static (uncaptured)")
 
     # ------------------------------------------------------------------------ drafter API
     def on_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
@@ -148,7 +161,8 @@ class MTPDrafter(Drafter):
             self.blocks.give(st.blocks)
 
     def stats(self) -> dict[str, int]:
-        return self.draw.stats()
+        steps = {f"{k}_steps": v for k, v in self.graphs.stats.items()} if self.graphs is not None else {}
+        return {**self.draw.stats(), **steps, "eager_steps": self.eager_steps}
 
     # ------------------------------------------------------------------------ internals
     def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:
@@ -159,7 +173,7 @@ class MTPDrafter(Drafter):
             st.valid, st.hidden = len(inp.token_ids) - 2, st.hidden[-1:]
         rows = live
         for j in range(max(w for *_, w in live)):
-            g, logits = self._step(steps, prev, first=j == 0)
+            g, logits = self._step(steps, prev)
             toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
                                      masks)
             for (i, *_), t, qr in zip(rows, toks, q):
@@ -174,14 +188,23 @@ class MTPDrafter(Drafter):
             steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 1 + j - st.base, st.blocks, 0)
                      for i, inp, st, _ in rows]
 
-    def _step(self, steps: list[SeqStep], prev: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward: (g at each sequence's last row [S, H], after shared_head.norm: the next
         step's previous hidden; logits there over the draft head's columns [S, N] fp32). Mirrors
         K3ForCausalLM.mtp(0, …) but takes the head only at the last rows: step 0 may hold a whole
-        prompt, and logits for every row would cost T x V."""
+        prompt, and logits for every row would cost T x V. A replayed graph when one fits."""
+        key = self.graphs.fits(steps) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(key, steps, prev)
+        self.eager_steps += 1
         ids, ctx = step_context(steps, self.block_size, self.device)
+        h = self._forward(ids, prev, ctx)
+        return self._finish(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
+
+    def _forward(self, ids: torch.Tensor, prev: torch.Tensor, ctx) -> torch.Tensor:
         m = self.model
-        layer = m.model.layers[self.idx]
-        h = layer(m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
-        g = layer.shared_head.norm(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
+        return m.model.layers[self.idx](m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
+
+    def _finish(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.model.model.layers[self.idx].shared_head.norm(h)
         return g, self.draw.head(g)
