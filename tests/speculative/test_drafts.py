@@ -17,8 +17,10 @@ import random
 
 import pytest
 import torch
+from click.testing import CliRunner
 from runtime_utils import BLOCK, assert_released, prompts
 
+from k3trt.cli import main as cli
 from k3trt.model.context import ModelCache, StepContext
 from k3trt.model.loader import load_model
 from k3trt.runtime.llm import LLM
@@ -180,6 +182,17 @@ def test_reduced_vocabulary_greedy_equals_plain(engine, tmp_path):
         assert [o.token_ids for o in llm.generate(ps, params)] == want, spec
         assert llm.stats()["speculative"]["drafter"]["draft_vocab_size"] == 1000
         assert_released(llm)
+
+
+def test_draft_vocab_on_the_command_line(engine, tmp_path):
+    counts = tmp_path / "counts.txt"
+    counts.write_text("\n".join(str(i % 7) for i in range(1000)))
+    r = CliRunner().invoke(cli, ["run", str(engine), "-p", "hello", "--max-tokens", "6", "--speculative", "mtp",
+                                 "--draft-vocab", "300", "--draft-vocab-counts", str(counts), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["stats"]["speculative"]["drafter"]["draft_vocab_size"] == 300
+    r = CliRunner().invoke(cli, ["run", str(engine), "-p", "hello", "--speculative", "ngram", "--draft-vocab", "3"])
+    assert r.exit_code != 0 and "draft_vocab_size" in r.output
 
 
 def test_draft_vocab_option_is_checked(engine):
