@@ -70,7 +70,7 @@ class EngineOptions:
     kda_checkpoints: int | None = None    # KDA state checkpoints for prefix hits; None: max_batch
     verify_checksums: bool = True
     seed: int = 0                         # draws the seeds of requests that bring none
-    speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp
+    speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp | layerskip:N
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
     draft_vocab_size: int | None = None   # model drafters score only this many ids (speculative/draft_vocab.py)
     draft_vocab_counts: str | None = None  # token counts file ranking them; None: merge order
@@ -233,8 +233,9 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: steps, preemptions, generated tokens, capacity hits, cache usage, and
-        speculative decoding (method, K, verify steps with drafts, drafted / accepted tokens,
-        acceptance rate, mean accepted length, accepted-length histogram)."""
+        speculative decoding (method, K, verify steps with drafts, proposed / drafted / accepted
+        tokens, acceptance rate, mean accepted length, accepted-length histogram, and the drafter's
+        own counters under "drafter")."""
         return self.loop.stats()
 
 
