@@ -29,6 +29,8 @@ from k3trt.model.context import ModelCache, StepContext  # noqa: E402
 from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime.llm import LLM  # noqa: E402
 from k3trt.runtime.params import SamplingParams  # noqa: E402
+from k3trt.runtime.speculative import DraftInput  # noqa: E402
+from k3trt.runtime.speculative.draft_model import DraftModelDrafter  # noqa: E402
 from k3trt.runtime.speculative.draw import Drawer  # noqa: E402
 from k3trt.runtime.structured import (  # noqa: E402
     GrammarCache,
@@ -143,6 +145,30 @@ def test_fill_masks_batch_equals_fill_masks(threads, guides, vocab):
     for s, d, row0 in items:
         assert torch.equal(one[row0:row0 + 1 + len(d)], many[row0:row0 + 1 + len(d)])
     assert all(torch.equal(mask_now(s, vocab), b) for (s, _, _), b in zip(items, before))
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["argmax", "sampled"])
+@pytest.mark.parametrize("kind", ["json", "think"])
+def test_model_drafts_follow_the_grammar(kind, sample, guides, vocab, tok, tiny_model):
+    """A model drafter given a request's grammar draws every draft under it: all admitted, a
+    sampled draft's q is 0 wherever the grammar refuses, and the matcher is back where it was."""
+    cfg, model = tiny_model
+    state = walk(guides[kind], vocab, random.Random(4), 6)
+    before = mask_now(state, vocab)
+    D = DraftModelDrafter(model, cfg, k_max=4, max_live=1, max_model_len=256, sample_drafts=True)
+    params = SamplingParams(temperature=1.0) if sample else None
+    prop = D.propose([DraftInput("r", tok.encode(f"Example: {EXAMPLE}"), params=params, seed=1, guide=state)], 4)
+    d = prop.tokens[0]
+    assert d and state.admit(d) == len(d)
+    assert torch.equal(mask_now(state, vocab), before)
+    assert D.stats()["masked_drafts"] == len(d)
+    if sample:
+        bm = vocab.allocate_bitmask(len(d) + 1)
+        assert state.fill_masks(d, bm, 0) == len(d)
+        refused = ~unpack(bm[:len(d)], vocab.vocab_size)
+        assert float(prop.probs[0][refused].abs().max()) == 0.0
+    D.release("r")
+    state.release()
 
 
 # ------------------------------------------------------------------------------------------ runtime
