@@ -147,15 +147,17 @@ def test_fill_masks_batch_equals_fill_masks(threads, guides, vocab):
     assert all(torch.equal(mask_now(s, vocab), b) for (s, _, _), b in zip(items, before))
 
 
-@pytest.mark.parametrize("sample", [False, True], ids=["argmax", "sampled"])
-@pytest.mark.parametrize("kind", ["json", "think"])
-def test_model_drafts_follow_the_grammar(kind, sample, guides, vocab, tok, tiny_model):
-    """A model drafter given a request's grammar draws every draft under it: all admitted, a
-    sampled draft's q is 0 wherever the grammar refuses, and the matcher is back where it was."""
+@pytest.mark.parametrize("kind,sample,batched", [("json", False, False), ("json", True, True),
+                                                  ("think", False, True), ("think", True, False)])
+def test_model_drafts_follow_the_grammar(kind, sample, batched, guides, vocab, tok, tiny_model):
+    """A model drafter given a request's grammar draws every draft under it (masks filled one by
+    one or through xgrammar's batched fill): all admitted, a sampled draft's q is 0 wherever the
+    grammar refuses, and the matcher is back where it was."""
     cfg, model = tiny_model
     state = walk(guides[kind], vocab, random.Random(4), 6)
     before = mask_now(state, vocab)
     D = DraftModelDrafter(model, cfg, k_max=4, max_live=1, max_model_len=256, sample_drafts=True)
+    D.draw.batch_min = 1 if batched else 8
     params = SamplingParams(temperature=1.0) if sample else None
     prop = D.propose([DraftInput("r", tok.encode(f"Example: {EXAMPLE}"), params=params, seed=1, guide=state)], 4)
     d = prop.tokens[0]

@@ -4,38 +4,40 @@ argmax or by a draw from the request's processed distribution.
 
 Drafts under the grammar: for every guided input (``DraftInput.guide``, the request's GuidedState)
 ``Drawer.masks`` opens a walk of its grammar (GuidedState.draft_walk); each draft step fills the
-mask of the next draft, masks that row's logits (ids the grammar refuses get -inf) and walks on by
-the drawn token. A greedy draft is thus the masked argmax, a sampled one is drawn from the masked
-distribution (and that is its q). A row with no allowed column (a reduced vocabulary can exclude
+mask of the next draft (from ``batch_min`` guided inputs on, in one xgrammar BatchGrammarMatcher
+call), masks that row's logits (ids the grammar refuses get -inf) and walks on by the drawn token.
+A greedy draft is thus the masked argmax, a sampled one is drawn from the masked distribution (and
+that is its q). A row with no allowed column (a reduced vocabulary can exclude
 every id the grammar allows) ends that request's drafts. The walks roll back when the propose ends
 (``DraftMasks.close``). The target still masks its verify rows, so this changes only which drafts
 are proposed: outputs stay exactly those of plain decoding.
 
 Counters (``Drawer.counts``, reported per drafter): ``masked_drafts`` drafts drawn under a grammar
-mask, ``redirected_drafts`` those whose unmasked choice the grammar refused (before drafts were
-drawn under the grammar these were cut, and the drafts after them with them), ``dead_ends`` rows
-with no allowed column.
+mask, ``redirected_drafts`` those whose unmasked choice the grammar refused (unmasked, that draft
+and every one after it would be cut before verification), ``dead_ends`` rows with no allowed
+column.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from k3trt.runtime import sampling
 from k3trt.runtime.speculative.draft_vocab import DraftHead
 from k3trt.runtime.speculative.drafter import DraftInput
-from k3trt.runtime.structured.vocab import num_words, unpack
+from k3trt.runtime.structured.state import fill_walks
+from k3trt.runtime.structured.vocab import num_words, unpack, xgr
 
 
 class DraftMasks:
     """The grammar walks of one propose's guided inputs (module doc); close() when it ends."""
 
-    def __init__(self, inputs: Sequence[DraftInput], vocab_size: int, counts: Counter):
+    def __init__(self, inputs: Sequence[DraftInput], vocab_size: int, counts: Counter, batcher: Any = None):
         self.walks = {inp.request_id: inp.guide.draft_walk() for inp in inputs if inp.guide is not None}
-        self.vocab_size, self.counts = vocab_size, counts
+        self.vocab_size, self.counts, self.batcher = vocab_size, counts, batcher
         self._bm: torch.Tensor | None = None
 
     def apply(self, logits: torch.Tensor, inputs: Sequence[DraftInput], head: DraftHead) -> list[bool]:
@@ -47,12 +49,11 @@ class DraftMasks:
             return live
         if self._bm is None or len(self._bm) < len(rows):
             self._bm = torch.zeros(len(inputs), num_words(self.vocab_size), dtype=torch.int32)
-        for k, r in enumerate(rows):
-            w = self.walks[inputs[r].request_id]
+        walks = [self.walks[inputs[r].request_id] for r in rows]
+        fill_walks(walks, self._bm, self.batcher)
+        for k, w in enumerate(walks):
             if w.stopped:
                 self._bm[k] = 0
-            else:
-                w.fill(self._bm, k)
         allowed = head.columns(unpack(self._bm[:len(rows)].to(logits.device), self.vocab_size))
         idx = torch.tensor(rows, device=logits.device)
         sub = logits[idx]
@@ -87,15 +88,23 @@ class DraftMasks:
 class Drawer:
     """A model drafter's head and draw rule (module doc); ``counts`` accumulate over its life."""
 
-    def __init__(self, head: DraftHead, vocab_size: int, sample_drafts: bool):
+    def __init__(self, head: DraftHead, vocab_size: int, sample_drafts: bool, batch_min: int = 8):
         self.head, self.vocab_size, self.sample_drafts = head, vocab_size, sample_drafts
+        self.batch_min = batch_min           # guided inputs from which masks are filled in one xgrammar call
         self.counts: Counter = Counter()
+        self._batcher = None
 
     def stats(self) -> dict[str, int]:
         return {**self.counts, **({"draft_vocab_size": self.head.size} if self.head.reduced else {})}
 
     def masks(self, inputs: Sequence[DraftInput]) -> DraftMasks | None:
-        return DraftMasks(inputs, self.vocab_size, self.counts) if any(i.guide is not None for i in inputs) else None
+        """The grammar walks of this propose's guided inputs (None: none is guided); close() it."""
+        guided = sum(i.guide is not None for i in inputs)
+        if not guided:
+            return None
+        if guided >= self.batch_min and self._batcher is None:
+            self._batcher = xgr().BatchGrammarMatcher("auto")
+        return DraftMasks(inputs, self.vocab_size, self.counts, self._batcher if guided >= self.batch_min else None)
 
     def pick(self, logits: torch.Tensor, inputs: Sequence[DraftInput], generators: Sequence[torch.Generator | None],
              masks: DraftMasks | None) -> tuple[list[int | None], list[torch.Tensor | None]]:

@@ -18,7 +18,7 @@ output rows, before the final norm) for the positions whose next token is now co
   prefill chunk   all its rows (start = the chunk's first position)
   verify step     rows 0..n of the request (the last committed token and the n accepted drafts:
                   start = len(history before the commit) - 1)
-Per request the drafter keeps ``valid`` (cache positions 0..valid-1 were computed from true target
+Per request the drafter keeps ``valid`` (cache positions ..valid-1 were computed from true target
 hiddens) and the handed-over hiddens of positions valid.. not yet run.
 
 propose (history x_0..x_{N-1}, k drafts):

@@ -207,6 +207,19 @@ class DraftWalk:
         self.steps = 0
 
 
+def fill_walks(walks: Sequence[DraftWalk], bitmask: torch.Tensor, batcher: Any = None) -> None:
+    """DraftWalk.fill of walks[i] into bitmask row i, the rows that ask xgrammar in one batched
+    call when `batcher` (a BatchGrammarMatcher) is given."""
+    batch = []
+    for i, w in enumerate(walks):
+        if batcher is not None and w.gate is None and not w.state._matcher.is_terminated():
+            batch.append(i)
+        else:
+            w.fill(bitmask, i)
+    if batch:
+        batcher.batch_fill_next_token_bitmask([walks[i].state._matcher for i in batch], bitmask, batch)
+
+
 def fill_masks_batch(items: Sequence[tuple[GuidedState, Sequence[int], int]], bitmask: torch.Tensor,
                      batcher: Any) -> list[Exception | None]:
     """fill_masks for many requests at once: items are (state, drafts, row0), drafts already cut by
