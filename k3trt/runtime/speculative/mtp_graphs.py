@@ -4,7 +4,8 @@ target's decode steps (graphs.py, whose ``Layout`` / ``StaticStep`` packing this
 An MTP step runs sequences of Q rows: the draft steps (Q = 1: the previous draft after its chained
 hidden) and the catch-up step 0 after a verify (Q = n + 2 for n accepted drafts: the verified rows
 whose true target hiddens came back). Each (S, Q) with S a power-of-two capacity up to max_live
-and Q in 1 .. k_max + 2 is captured once; a step replays the smallest graph that holds it, its
+and Q in 1 .. k_max + 2 (at most MLA's absorbed-form limit, ABSORBED_MAX_Q: the naive form reads
+host lengths) is captured once; a step replays the smallest graph that holds it, its
 sequences padded at their ends (padding rows write no cache row; padding sequences see nothing).
 Inputs travel in the step's packed int64 buffer plus one static buffer of previous hiddens
 [S·Q, H], written at the real rows; inside the graph the MTP layer's output is taken at each
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from k3trt.engine.capacities import power_of_two_capacities
+from k3trt.model.mla import ABSORBED_MAX_Q
 from k3trt.runtime.engine import Seq, make_batch
 from k3trt.runtime.graphs import Layout, StaticStep
 
@@ -49,7 +51,7 @@ class MTPGraphs:
         self.prev: dict[tuple[int, int], torch.Tensor] = {}
         self.out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for S in self.capacities:
-            for Q in range(1, k_max + 3):
+            for Q in range(1, min(k_max + 2, ABSORBED_MAX_Q) + 1):    # wider steps take MLA's naive form
                 self.steps[S, Q] = StaticStep(Layout(S, Q, max_blocks), device)
                 self.prev[S, Q] = torch.zeros(S * Q, hidden_size, dtype=dtype, device=device)
         if self.capture:
