@@ -28,7 +28,8 @@ from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.speculative import DraftInput, make_drafter
 from k3trt.runtime.speculative.draft_model import DraftModelDrafter, SeqStep
-from k3trt.runtime.speculative.draft_vocab import DraftHead, draft_vocab_ids, load_token_counts, make_draft_vocab
+from k3trt.runtime.speculative.draft_vocab import (DraftHead, count_tokens, draft_vocab_ids, load_token_counts,
+                                                  make_draft_vocab, save_token_counts)
 from k3trt.runtime.speculative.mtp import MTPDrafter
 from k3trt.testing import assert_close
 
@@ -121,6 +122,10 @@ def test_make_draft_vocab_and_counts_files(tmp_path):
     (tmp_path / "c.txt").write_text("1\n8\n\n3\n")
     assert draft_vocab_ids(2, tmp_path / "c.txt", 4).tolist() == [1, 2]
     assert draft_vocab_ids(3, None, 10).tolist() == [0, 1, 2]            # merge order
+    counted = count_tokens([[1, 2, 2], [], [4, 2]], 5)
+    assert counted.tolist() == [0, 1, 3, 0, 1]
+    save_token_counts(tmp_path / "saved.json", counted)
+    assert torch.equal(load_token_counts(tmp_path / "saved.json", 5), counted)
     (tmp_path / "bad.json").write_text("{\"9\": 1}")
     with pytest.raises(ValueError, match="bad.json"):
         load_token_counts(tmp_path / "bad.json", 5)

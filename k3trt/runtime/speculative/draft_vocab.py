@@ -12,7 +12,8 @@ is exactly what it is with any other drafter, only drafts outside the N ids are 
 Where the counts come from (``draft_vocab_ids``):
   a file           JSON: a list of counts indexed by token id, or an object {"id": count};
                    any other file: one count per line, line i for token i. Make one from
-                   representative text with ``make_draft_vocab``'s corpus form (token ids).
+                   representative text: save_token_counts(path, count_tokens(map(tok.encode,
+                   texts), V)).
   none (fallback)  the tokenizer's ids in merge order: a byte-level BPE's id is its merge rank, and
                    earlier merges are the more frequent pairs, so ids 0..n-1 approximate the top n.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,20 @@ def make_draft_vocab(counts: torch.Tensor | Sequence[int], n: int, *, vocab_size
         raise ValueError(f"draft vocabulary size {n} must be in 1..{len(c)} (the vocabulary size)")
     # a stable sort of -counts: ties keep the lower id first (merge order)
     return torch.sort(-c, stable=True).indices[:n].clone()
+
+
+def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """Per-id counts int64 [vocab_size] over tokenized text (e.g. ``tokenizer.encode`` of a corpus)."""
+    out = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids in sequences:
+        if len(ids):
+            out += torch.bincount(torch.as_tensor(ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    return out
+
+
+def save_token_counts(path: str | Path, counts: torch.Tensor) -> None:
+    """Write per-id counts as a counts file (a JSON list indexed by id) ``load_token_counts`` reads."""
+    Path(path).write_text(json.dumps(torch.as_tensor(counts).tolist()))
 
 
 def load_token_counts(path: str | Path, vocab_size: int) -> torch.Tensor:
