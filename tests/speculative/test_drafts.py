@@ -83,7 +83,7 @@ def test_mtp_window_after_a_prefix_hit(tiny_model, start):
     # got the same window in one hand-over
     hist = a + [x, d[0], (d[1] + 1) % 1000]
     hid2 = target_hidden(model, cfg, hist)
-    A.sample_drafts = False
+    A.draw.sample_drafts = False
     A.on_commit("r", hist[P + 1:])
     A.on_hidden("r", P, hid2[P:P + 2])
     B = MTPDrafter(model, cfg, k_max=3, max_live=2, max_model_len=128)

@@ -38,7 +38,7 @@ from k3trt.model.loader import load_model
 from k3trt.runtime import sampling
 from k3trt.runtime.speculative.draft_vocab import DraftHead
 from k3trt.runtime.speculative.drafter import Drafter, DraftInput, Proposal, common_prefix
-from k3trt.runtime.speculative.draw import Drawer
+from k3trt.runtime.speculative.draw import DraftMasks, Drawer
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DraftModelDrafter(Drafter):
                  draft_vocab: torch.Tensor | None = None):
         p = next(model.parameters())
         self.model, self.cfg, self.device, self.k_max = model, cfg, p.device, k_max
-        self.block_size, self.sample_drafts = block_size, sample_drafts
+        self.block_size = block_size
         self.draw = drawer(model, cfg, draft_vocab, sample_drafts)
         nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
         self.cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=max_live,
@@ -162,7 +162,7 @@ class DraftModelDrafter(Drafter):
             out.probs[i] = stack_q(qs[i])
         return out
 
-    def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks) -> None:
+    def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:
         """The draft steps of propose (module doc); a row whose draw gives no token drafts no further."""
         steps = [SeqStep(inp.token_ids[st.cached:], st.cached, st.blocks, st.slot) for _, inp, st, _ in live]
         for _, inp, st, _ in live:
@@ -206,7 +206,7 @@ class DraftModelDrafter(Drafter):
             if not self.free_slots:
                 return None
             st = self.seqs[inp.request_id] = _DraftSeq(self.free_slots.pop())
-        if st.generator is None and self.sample_drafts and inp.params is not None and not inp.params.greedy:
+        if st.generator is None and self.draw.sample_drafts and inp.params is not None and not inp.params.greedy:
             st.generator = sampling.make_generator(inp.seed, self.device)
         return st
 

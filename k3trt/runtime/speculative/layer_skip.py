@@ -92,7 +92,7 @@ class LayerSkipDrafter(DraftModelDrafter):
             nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
             self.session = _graph_session(model, nb, block_size, max_live, k_max, max_model_len)
             self.model, self.cfg, self.device, self.k_max = model, model.cfg, p.device, k_max
-            self.block_size, self.sample_drafts = block_size, sample_drafts
+            self.block_size = block_size
             self.draw = drawer(model, model.cfg, draft_vocab, sample_drafts)
             self.cache = self.session.cache
             self.blocks = BlockList(nb)

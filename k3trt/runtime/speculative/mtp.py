@@ -86,7 +86,7 @@ class MTPDrafter(Drafter):
                              "use --speculative ngram or draft:DIR")
         p = next(model.parameters())
         self.model, self.cfg, self.device, self.k_max = model, cfg, p.device, k_max
-        self.block_size, self.sample_drafts = block_size, sample_drafts
+        self.block_size = block_size
         self.idx = cfg.num_hidden_layers          # MTP layer 0 (k3.py: layers[num_hidden_layers + j])
         self.draw = drawer(model, cfg, draft_vocab, sample_drafts)
         nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
@@ -138,7 +138,7 @@ class MTPDrafter(Drafter):
             st.hidden = st.hidden[:N - 1 - st.valid]
             if not self.blocks.grow(st.blocks, N - 2 + want - st.base, self.block_size):
                 continue
-            if st.generator is None and self.sample_drafts and inp.params is not None and not inp.params.greedy:
+            if st.generator is None and self.draw.sample_drafts and inp.params is not None and not inp.params.greedy:
                 st.generator = sampling.make_generator(inp.seed, self.device)
             live.append((i, inp, st, want))
         if not live:
