@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 
 from k3trt.config import ModelConfig
-from k3trt.model.context import ModelCache
+from k3trt.model.context import ModelCache, StepContext
 from k3trt.runtime import sampling
 from k3trt.runtime.graphs import graphs_by_default
 from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, drawer, stack_q, step_context
@@ -201,7 +201,7 @@ class MTPDrafter(Drafter):
         h = self._forward(ids, prev, ctx)
         return self._finish(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
 
-    def _forward(self, ids: torch.Tensor, prev: torch.Tensor, ctx) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, prev: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         m = self.model
         return m.model.layers[self.idx](m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
 

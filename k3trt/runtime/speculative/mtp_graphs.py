@@ -27,13 +27,14 @@ from typing import Callable, Sequence
 import torch
 
 from k3trt.engine.capacities import power_of_two_capacities
+from k3trt.model.context import StepContext
 from k3trt.model.mla import ABSORBED_MAX_Q
 from k3trt.runtime.engine import Seq, make_batch
 from k3trt.runtime.graphs import Layout, StaticStep
 
 log = logging.getLogger(__name__)
 
-MTPForward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]   # (ids, prev, ctx) -> h [T, H]
+MTPForward = Callable[[torch.Tensor, torch.Tensor, StepContext], torch.Tensor]   # (ids, prev, ctx) -> h [T, H]
 
 
 class MTPGraphs:
