@@ -189,6 +189,11 @@ def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
 @click.option("--seed", type=int, default=None)
 @click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp | layerskip:N")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@click.option("--draft-vocab", "draft_vocab", type=click.IntRange(min=1), default=None,
+              help="model drafters (mtp, draft:DIR, layerskip:N) score only the N most frequent ids")
+@click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
+                   "default: the tokenizer's merge order)")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="constrain the output to this JSON schema (a file)")
 @click.option("--regex", default=None, help="constrain the output to this regular expression")
@@ -197,8 +202,8 @@ def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
 @rank_options
-def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
-            regex, grammar, device, as_json, tp, dcp, ep, rank_timeout) -> None:
+def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, draft_vocab,
+            draft_vocab_counts, json_schema, regex, grammar, device, as_json, tp, dcp, ep, rank_timeout) -> None:
     """Generate from ENGINE_DIR (a multi-rank engine: its ranks run in processes of their own)."""
     from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
@@ -207,7 +212,8 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
             return
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                   device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
-                  regex=regex, grammar=grammar, **ranks)
+                  regex=regex, grammar=grammar, draft_vocab_size=draft_vocab, draft_vocab_counts=draft_vocab_counts,
+                  **ranks)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
@@ -230,9 +236,14 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@click.option("--draft-vocab", "draft_vocab", type=click.IntRange(min=1), default=None,
+              help="model drafters (mtp, draft:DIR, layerskip:N) score only the N most frequent ids")
+@click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
+                   "default: the tokenizer's merge order)")
 @rank_options
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
-              speculative, spec_tokens, tp, dcp, ep, rank_timeout) -> None:
+              speculative, spec_tokens, draft_vocab, draft_vocab_counts, tp, dcp, ep, rank_timeout) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API. A multi-rank engine's ranks run in
     processes of their own on this node; under torchrun rank 0 serves and the others are workers."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
@@ -241,6 +252,8 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["speculative"] = speculative
     if spec_tokens is not None:
         opts["spec_tokens"] = spec_tokens
+    if draft_vocab is not None:
+        opts["draft_vocab_size"], opts["draft_vocab_counts"] = draft_vocab, draft_vocab_counts
     try:
         opts.update(_rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout))
         if _torchrun_worker(engine_dir, device, opts):

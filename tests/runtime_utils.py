@@ -52,7 +52,7 @@ def assert_released(llm) -> None:
     """assert_no_leak, and the drafter holds nothing for any request (speculative decoding)."""
     assert_no_leak(llm)
     d = llm.spec.drafter
-    for name in ("seqs", "_index", "blind"):
+    for name in ("seqs", "_index"):
         assert not getattr(d, name, None), f"drafter {d.name} still holds {name}: {getattr(d, name)}"
     if hasattr(d, "free_slots"):      # a draft model: every slot and cache block back
         assert len(d.free_slots) == llm.config.max_batch

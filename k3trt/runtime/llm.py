@@ -73,8 +73,10 @@ class EngineOptions:
     kda_checkpoints: int | None = None    # KDA state checkpoints for prefix hits; None: max_batch
     verify_checksums: bool = True
     seed: int = 0                         # draws the seeds of requests that bring none
-    speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp
+    speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp | layerskip:N
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
+    draft_vocab_size: int | None = None   # model drafters score only this many ids (speculative/draft_vocab.py)
+    draft_vocab_counts: str | None = None  # token counts file ranking them; None: merge order
     cuda_graphs: bool | None = None       # decode/verify steps as CUDA graphs; None: on CUDA in bf16/fp16
                                           # (True off CUDA: the padded static steps, uncaptured)
     tp: int | None = None                 # multi-rank layout (rank_session.py); None: the engine dir's, else 1
@@ -170,7 +172,8 @@ class LLM:
         elif drafter is None:
             drafter = getattr(self.session, "make_drafter", make_drafter)(
                 opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len, target=model,
-                dtype=b.torch_dtype, device=device, block_size=plan.block_size, sample_drafts=True, graphs=graphs)
+                dtype=b.torch_dtype, device=device, block_size=plan.block_size, sample_drafts=True, graphs=graphs,
+                draft_vocab_size=opts.draft_vocab_size, draft_vocab_counts=opts.draft_vocab_counts)
         self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
@@ -278,8 +281,9 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: steps, preemptions, generated tokens, capacity hits, cache usage, and
-        speculative decoding (method, K, verify steps with drafts, drafted / accepted tokens,
-        acceptance rate, mean accepted length, accepted-length histogram)."""
+        speculative decoding (method, K, verify steps with drafts, proposed / drafted / accepted
+        tokens, acceptance rate, mean accepted length, accepted-length histogram, and the drafter's
+        own counters under "drafter")."""
         return self.loop.stats()
 
 

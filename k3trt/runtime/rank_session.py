@@ -162,7 +162,8 @@ class RankMTPDrafter(MTPDrafter):
             self.group.send("mtp_open", (nb, block_size))
             self.shard = MTPShard(model, self.group.pc, num_blocks=nb, block_size=block_size, device=session.device)
         super().__init__(model, model.cfg, k_max=k_max, max_live=max_live, max_model_len=max_model_len,
-                         block_size=block_size, num_blocks=nb, sample_drafts=sample_drafts, cache=self.shard.cache)
+                         block_size=block_size, num_blocks=nb, sample_drafts=sample_drafts, cache=self.shard.cache,
+                         graphs=False)   # its steps go to every rank (_step), never through one rank's graphs
 
     def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         steps = [SeqStep(list(s.tokens), s.ctx_len, list(s.blocks), s.slot) for s in steps]

@@ -52,6 +52,7 @@ class Speculator:
         self.drafter, self.k, self.vocab_size, self.max_model_len = drafter, k, vocab_size, max_model_len
         self.enabled = not isinstance(drafter, NoDrafter) and k > 0
         self.stats = AcceptanceStats()
+        self.proposed = 0          # drafts proposed (before the grammar's cut and the scheduler's drop)
 
     @property
     def needs_hidden(self) -> bool:
@@ -74,8 +75,8 @@ class Speculator:
             r.set_drafts([])
         if not todo:
             return
-        inputs = [DraftInput(r.request_id, r.token_ids, max_drafts=n, params=r.params, seed=r.seed or 0)
-                  for r, n in todo]
+        inputs = [DraftInput(r.request_id, r.token_ids, max_drafts=n, params=r.params, seed=r.seed or 0,
+                             guide=r.guided) for r, n in todo]
         try:
             prop = self.drafter.propose(inputs, self.k)
             got = [(t, prop.q(i)) for i, t in enumerate(prop.tokens)]
@@ -101,6 +102,7 @@ class Speculator:
             ok = next((i for i, t in enumerate(tokens)
                        if not (isinstance(t, int) and 0 <= t < self.vocab_size)), len(tokens))
             r.set_drafts(tokens[:ok], q)
+            self.proposed += ok
 
     # ------------------------------------------------------------------------ hand-over
     def on_prefill(self, req: Request, start: int, hidden: torch.Tensor | None, fault: Fault) -> None:
@@ -145,7 +147,8 @@ class Speculator:
             self.stats.add(Accepted([v.num_accepted], [v.tokens], [v.num_drafts]))
 
     def to_dict(self) -> dict:
-        return {"method": self.drafter.name, "spec_tokens": self.k if self.enabled else 0, **self.stats.to_dict()}
+        return {"method": self.drafter.name, "spec_tokens": self.k if self.enabled else 0,
+                "proposed_tokens": self.proposed, **self.stats.to_dict(), "drafter": self.drafter.stats()}
 
 
 def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,

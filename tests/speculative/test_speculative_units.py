@@ -310,7 +310,7 @@ def test_mtp_matches_oracle_and_rolls_back(tiny_model):
         g, logits = mtp_oracle(model, cfg, prev, ids)
         assert_close(prop.probs[0][j], torch.softmax(logits[-1], -1), atol=1e-6, rtol=1e-3, name=f"q_{j}")
         prev, ids = torch.cat([prev, g[-1:]]), ids + [d[j]]
-    A.sample_drafts = False
+    A.draw.sample_drafts = False
     d = A.propose([DraftInput("r", a + [x])], 3).tokens[0]   # argmax drafts, the next part rejects d_2
     # verify accepted d_1 and rejected d_2: rows 0..1 (positions P, P+1) are handed over
     hist = a + [x, d[0], (d[1] + 1) % 1000]

@@ -7,6 +7,8 @@ forward (GuidedState.admit, no mask), the mask rows are filled after it is launc
 - through the runtime (speculation off, n-gram, draft model; one-by-one and batched fills): greedy
   guided outputs equal masked greedy decoding by full recompute, and after every step each live
   matcher equals a fresh matcher fed the committed tokens;
+- model drafts (MTP, a self-draft) are drawn under the grammar: outputs unchanged, and the
+  self-draft's drafts all pass where unmasked ones were cut;
 - a grammar fault in the post-launch fill ends only its request, commits nothing for it, and
   leaks nothing."""
 
@@ -27,6 +29,9 @@ from k3trt.model.context import ModelCache, StepContext  # noqa: E402
 from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime.llm import LLM  # noqa: E402
 from k3trt.runtime.params import SamplingParams  # noqa: E402
+from k3trt.runtime.speculative import DraftInput  # noqa: E402
+from k3trt.runtime.speculative.draft_model import DraftModelDrafter  # noqa: E402
+from k3trt.runtime.speculative.draw import Drawer  # noqa: E402
 from k3trt.runtime.structured import (  # noqa: E402
     GrammarCache,
     GrammarVocab,
@@ -142,11 +147,38 @@ def test_fill_masks_batch_equals_fill_masks(threads, guides, vocab):
     assert all(torch.equal(mask_now(s, vocab), b) for (s, _, _), b in zip(items, before))
 
 
+@pytest.mark.parametrize("kind,sample,batched", [("json", False, False), ("json", True, True),
+                                                  ("think", False, True), ("think", True, False)])
+def test_model_drafts_follow_the_grammar(kind, sample, batched, guides, vocab, tok, tiny_model):
+    """A model drafter given a request's grammar draws every draft under it (masks filled one by
+    one or through xgrammar's batched fill): all admitted, a sampled draft's q is 0 wherever the
+    grammar refuses, and the matcher is back where it was."""
+    cfg, model = tiny_model
+    state = walk(guides[kind], vocab, random.Random(4), 6)
+    before = mask_now(state, vocab)
+    D = DraftModelDrafter(model, cfg, k_max=4, max_live=1, max_model_len=256, sample_drafts=True)
+    D.draw.batch_min = 1 if batched else 8
+    params = SamplingParams(temperature=1.0) if sample else None
+    prop = D.propose([DraftInput("r", tok.encode(f"Example: {EXAMPLE}"), params=params, seed=1, guide=state)], 4)
+    d = prop.tokens[0]
+    assert d and state.admit(d) == len(d)
+    assert torch.equal(mask_now(state, vocab), before)
+    assert D.stats()["masked_drafts"] == len(d)
+    if sample:
+        bm = vocab.allocate_bitmask(len(d) + 1)
+        assert state.fill_masks(d, bm, 0) == len(d)
+        refused = ~unpack(bm[:len(d)], vocab.vocab_size)
+        assert float(prop.probs[0][refused].abs().max()) == 0.0
+    D.release("r")
+    state.release()
+
+
 # ------------------------------------------------------------------------------------------ runtime
 @pytest.fixture(scope="module")
 def llms(engine, tmp_path_factory):
     draft = make_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny-seed1", seed=1)
-    arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft}"}
+    arg = {"none": "none", "ngram": "ngram", "draft": f"draft:{draft}", "self": f"draft:{engine / 'rank0'}",
+           "mtp": "mtp"}
     out = {name: LLM(engine, verify_checksums=False, speculative=a, spec_tokens=3) for name, a in arg.items()}
     yield out
     for llm in out.values():
@@ -221,6 +253,36 @@ def test_runtime_greedy_equals_masked_greedy(spec, batched, llms, tok, vocab, gu
         assert_released(llm)
     finally:
         g.batch_min = 8
+
+
+def test_drafts_drawn_under_the_grammar(llms, tok, vocab, guides, tiny_model, monkeypatch):
+    """Model drafts of a guided request are drawn under its grammar (speculative/draw.py): outputs
+    stay masked greedy decoding's (MTP and the target drafting for itself), and the self-draft has
+    every draft accepted, where the same drafts drawn without the mask were cut at the first
+    token the grammar refused."""
+    cfg, model = tiny_model
+    guide = guides["json"]
+    prompts = [tok.encode(f"Example: {EXAMPLE}\nAnother{i}:") for i in range(2)]
+    params = SamplingParams(max_tokens=40, guided=guide)
+    want = [masked_greedy(model, cfg, vocab, guide, p, 40) for p in prompts]
+    for name in ("mtp", "self"):
+        llm = llms[name]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want, name
+        s = llm.stats()["speculative"]
+        assert s["drafter"]["masked_drafts"] > 0 and s["drafted_tokens"] > 0, name
+        assert_released(llm)
+    s = llms["self"].stats()["speculative"]
+    assert s["acceptance_rate"] == 1.0 and s["drafter"]["redirected_drafts"] > 0
+    assert s["proposed_tokens"] == s["drafted_tokens"]            # the grammar cut nothing
+    with monkeypatch.context() as m:      # the same drafter, drafts drawn without the grammar
+        m.setattr(Drawer, "masks", lambda self, inputs: None)
+        llm = llms["self"]
+        before = llm.stats()["speculative"]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        after = llm.stats()["speculative"]
+    unmasked = {k: after[k] - before[k] for k in ("proposed_tokens", "drafted_tokens", "accepted_tokens")}
+    assert unmasked["drafted_tokens"] < unmasked["proposed_tokens"]          # cut at refused tokens
+    assert unmasked["accepted_tokens"] < s["accepted_tokens"]
 
 
 class _ExplodingMatcher:

@@ -19,7 +19,8 @@ are stale but never read: the next step overwrites them before attending up to i
 
 Drafts are the draft model's argmax (one-hot q) unless ``sample_drafts`` and the request samples:
 then d_j is drawn from q = sampling.probs(draft logits, request params) with a generator of the
-drafter's own (seeded by DraftInput.seed), and q is returned for stochastic acceptance.
+drafter's own (seeded by DraftInput.seed), and q is returned for stochastic acceptance. Guided
+requests draw under their grammar, and a reduced draft vocabulary narrows the head (draw.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -35,7 +36,9 @@ from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache, StepContext
 from k3trt.model.loader import load_model
 from k3trt.runtime import sampling
+from k3trt.runtime.speculative.draft_vocab import DraftHead
 from k3trt.runtime.speculative.drafter import Drafter, DraftInput, Proposal, common_prefix
+from k3trt.runtime.speculative.draw import DraftMasks, Drawer
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +85,6 @@ class BlockList:
         blocks.clear()
 
 
-def pick(logits: torch.Tensor, inputs: Sequence[DraftInput], generators: Sequence[torch.Generator | None],
-         sample_drafts: bool) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One draft per row of logits [R, V]: argmax (q one-hot: None), or a draw from the request's
-    processed distribution when it samples and `sample_drafts` (q: that row)."""
-    tokens, qs = logits.argmax(-1).tolist(), []
-    for r, (inp, g) in enumerate(zip(inputs, generators)):
-        if sample_drafts and inp.params is not None and not inp.params.greedy:
-            q = sampling.probs(logits[r:r + 1].float(), inp.params)
-            tokens[r] = int(sampling.draw(q, g)[0])
-            qs.append(q[0])
-        else:
-            qs.append(None)
-    return tokens, qs
-
-
 def stack_q(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if not rows or any(r is None for r in rows) else torch.stack(rows)
 
@@ -114,10 +102,12 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, k_max: int, max_live: int, max_model_len: int,
-                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False):
+                 block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False,
+                 draft_vocab: torch.Tensor | None = None):
         p = next(model.parameters())
         self.model, self.cfg, self.device, self.k_max = model, cfg, p.device, k_max
-        self.block_size, self.sample_drafts = block_size, sample_drafts
+        self.block_size = block_size
+        self.draw = drawer(model, cfg, draft_vocab, sample_drafts)
         nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
         self.cache = ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=max_live,
                                          max_q=k_max, dtype=p.dtype, device=self.device,
@@ -131,12 +121,14 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, *, target_cfg: ModelConfig | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        draft_vocab: Callable[[int], torch.Tensor | None] | None = None,
                         **kw) -> "DraftModelDrafter":
+        """`draft_vocab`: the reduced draft vocabulary for the checkpoint's vocabulary size, or None."""
         cfg, model = load_model(ckpt_dir, dtype=dtype, device=device)
         if target_cfg is not None and cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"draft checkpoint {ckpt_dir} has vocab_size {cfg.vocab_size} but the target has "
                              f"{target_cfg.vocab_size}: a draft model must share the target's tokenizer")
-        return cls(model, cfg, **kw)
+        return cls(model, cfg, draft_vocab=None if draft_vocab is None else draft_vocab(cfg.vocab_size), **kw)
 
     # ------------------------------------------------------------------------ drafter API
     def propose(self, inputs: Sequence[DraftInput], k: int) -> Proposal:
@@ -159,27 +151,39 @@ class DraftModelDrafter(Drafter):
         if not live:
             return out
         qs: dict[int, list] = {i: [] for i, *_ in live}
-        with torch.inference_mode():
-            steps = [SeqStep(inp.token_ids[st.cached:], st.cached, st.blocks, st.slot) for _, inp, st, _ in live]
-            for _, inp, st, _ in live:
-                st.cached = len(inp.token_ids)
-            rows = live
-            for j in range(max(w for *_, w in live)):
-                if j:
-                    rows = [r for r in rows if r[3] > j]
-                    steps = [SeqStep([out.tokens[i][-1]], st.cached + j - 1, st.blocks, st.slot) for i, _, st, _ in rows]
-                    for i, _, st, _ in rows:
-                        st.fed.append(out.tokens[i][-1])
-                logits = self._logits(steps)
-                self._save_state([st.slot for _, _, st, _ in rows], j)
-                toks, q = pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
-                               self.sample_drafts)
-                for (i, *_), t, qr in zip(rows, toks, q):
-                    out.tokens[i].append(t)
-                    qs[i].append(qr)
+        masks = self.draw.masks([inp for _, inp, _, _ in live])
+        try:
+            with torch.inference_mode():
+                self._draft(live, out, qs, masks)
+        finally:
+            if masks is not None:
+                masks.close()
         for i in qs:
             out.probs[i] = stack_q(qs[i])
         return out
+
+    def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:
+        """The draft steps of propose (module doc); a row whose draw gives no token drafts no further."""
+        steps = [SeqStep(inp.token_ids[st.cached:], st.cached, st.blocks, st.slot) for _, inp, st, _ in live]
+        for _, inp, st, _ in live:
+            st.cached = len(inp.token_ids)
+        rows = live
+        for j in range(max(w for *_, w in live)):
+            if j:
+                rows = [r for r in rows if r[3] > j and len(out.tokens[r[0]]) == j]
+                if not rows:
+                    return
+                steps = [SeqStep([out.tokens[i][-1]], st.cached + j - 1, st.blocks, st.slot) for i, _, st, _ in rows]
+                for i, _, st, _ in rows:
+                    st.fed.append(out.tokens[i][-1])
+            logits = self._logits(steps)
+            self._save_state([st.slot for _, _, st, _ in rows], j)
+            toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
+                                     masks)
+            for (i, *_), t, qr in zip(rows, toks, q):
+                if t is not None:
+                    out.tokens[i].append(t)
+                    qs[i].append(qr)
 
     def on_commit(self, request_id: str, tokens: Sequence[int]) -> None:
         st = self.seqs.get(request_id)
@@ -192,6 +196,9 @@ class DraftModelDrafter(Drafter):
             self.blocks.give(st.blocks)
             self.free_slots.append(st.slot)
 
+    def stats(self) -> dict[str, int]:
+        return self.draw.stats()
+
     # ------------------------------------------------------------------------ internals
     def _seq(self, inp: DraftInput) -> _DraftSeq | None:
         st = self.seqs.get(inp.request_id)
@@ -199,15 +206,16 @@ class DraftModelDrafter(Drafter):
             if not self.free_slots:
                 return None
             st = self.seqs[inp.request_id] = _DraftSeq(self.free_slots.pop())
-        if st.generator is None and self.sample_drafts and inp.params is not None and not inp.params.greedy:
+        if st.generator is None and self.draw.sample_drafts and inp.params is not None and not inp.params.greedy:
             st.generator = sampling.make_generator(inp.seed, self.device)
         return st
 
     def _logits(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Logits fp32 over the draft head's columns at each step's last row [S, head.size]."""
         ids, ctx = step_context(steps, self.block_size, self.device)
         hidden = self.model(ids, ctx, self.cache)
         last = torch.tensor(ctx.cu_q[1:], device=self.device) - 1
-        return self.model.logits(hidden[last])
+        return self.draw.head(self.model.model.norm(hidden[last]))
 
     def _save_state(self, slots: list[int], j: int) -> None:
         s = torch.tensor(slots, device=self.device)
@@ -224,3 +232,12 @@ class DraftModelDrafter(Drafter):
                 layer.conv[st.slot] = layer.step_conv[st.slot, m]
         st.cached += m
         st.fed = []
+
+
+def drawer(model: torch.nn.Module, cfg: ModelConfig, draft_vocab: torch.Tensor | None, sample_drafts: bool) -> Drawer:
+    """The Drawer over `model`'s lm_head, reduced to `draft_vocab` when given (draft_vocab.py)."""
+    if draft_vocab is not None and getattr(model, "vocab_parallel", False):
+        raise ValueError("a reduced draft vocabulary needs the drafter's whole lm_head on one rank "
+                         "(this model's is vocab-parallel); leave draft_vocab_size unset")
+    return Drawer(DraftHead(model.lm_head, draft_vocab, full=getattr(model, "_head", None)), cfg.vocab_size,
+                  sample_drafts)

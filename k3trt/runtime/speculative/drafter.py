@@ -12,6 +12,8 @@ Contract
 - ``token_ids`` is the request's prompt + committed output (append-only between calls); its last
   token is the one the target has not cached yet (it is the first verify row). Drafters never copy
   it whole per step: the runtime passes its own list.
+- A guided request's input carries its grammar (``guide``): a drafter may draw under it
+  (speculative/draw.py) or ignore it; drafts the grammar refuses are cut before verification.
 - ``propose`` may return fewer than k tokens, or none, for any request (no match, no cache room,
   no state yet): verify then runs with fewer rows. It never returns more than ``max_drafts``.
 - ``Proposal.probs[i]`` is q: the distribution each draft token was actually drawn from, row j
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -52,6 +54,7 @@ class DraftInput:
     max_drafts: int | None = None            # per-request cap (e.g. max_tokens left - 1); None: k
     params: SamplingParams | None = None     # for drafters that sample drafts; None or greedy: argmax
     seed: int = 0                            # seeds a sampling drafter's per-request generator
+    guide: Any = None                        # the request's GuidedState: model drafters draw under its mask
 
     def limit(self, k: int) -> int:
         return max(0, min(k, k if self.max_drafts is None else self.max_drafts))
@@ -90,6 +93,10 @@ class Drafter(abc.ABC):
 
     def release(self, request_id: str) -> None:
         """Drop all state held for the request (finished, aborted, failed or preempted)."""
+
+    def stats(self) -> dict[str, int]:
+        """The drafter's own counters (e.g. drafts drawn under a grammar mask); none by default."""
+        return {}
 
 
 class NoDrafter(Drafter):

@@ -30,7 +30,7 @@ from k3trt.model.k3 import K3ForCausalLM, K3Model
 from k3trt.runtime.engine import Seq, make_batch
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CachePlan
-from k3trt.runtime.speculative.draft_model import BlockList, DraftModelDrafter, SeqStep
+from k3trt.runtime.speculative.draft_model import BlockList, DraftModelDrafter, SeqStep, drawer
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,22 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def __init__(self, target: K3ForCausalLM, n: int, *, k_max: int, max_live: int, max_model_len: int,
                  block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, draft_vocab: torch.Tensor | None = None):
         model = LayerSkipModel(target, n)
         p = next(target.parameters())
         if graphs is None:
             graphs = graphs_by_default(p.device, p.dtype)
         if not graphs:
             super().__init__(model, model.cfg, k_max=k_max, max_live=max_live, max_model_len=max_model_len,
-                             block_size=block_size, num_blocks=num_blocks, sample_drafts=sample_drafts)
+                             block_size=block_size, num_blocks=num_blocks, sample_drafts=sample_drafts,
+                             draft_vocab=draft_vocab)
             self.session = None
         else:       # DraftModelDrafter's state, with the session's cache as the drafter's cache
             nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
             self.session = _graph_session(model, nb, block_size, max_live, k_max, max_model_len)
             self.model, self.cfg, self.device, self.k_max = model, model.cfg, p.device, k_max
-            self.block_size, self.sample_drafts = block_size, sample_drafts
+            self.block_size = block_size
+            self.draw = drawer(model, model.cfg, draft_vocab, sample_drafts)
             self.cache = self.session.cache
             self.blocks = BlockList(nb)
             self.free_slots = list(range(max_live - 1, -1, -1))
@@ -107,7 +109,8 @@ class LayerSkipDrafter(DraftModelDrafter):
         seqs = [Seq(list(s.tokens), s.ctx_len, list(s.blocks), s.slot, 1) for s in steps]
         caps = self.session.capacities
         cap = next((c for c in caps if c >= len(seqs)), len(seqs))
-        return self.session.verify(make_batch(seqs, self.block_size, capacity=cap))
+        # the graphs score every id; a reduced draft vocabulary keeps its columns (no saving here)
+        return self.draw.head.columns(self.session.verify(make_batch(seqs, self.block_size, capacity=cap)))
 
 
 def _graph_session(model: LayerSkipModel, num_blocks: int, block_size: int, max_live: int, k_max: int,

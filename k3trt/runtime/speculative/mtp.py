@@ -18,7 +18,7 @@ output rows, before the final norm) for the positions whose next token is now co
   prefill chunk   all its rows (start = the chunk's first position)
   verify step     rows 0..n of the request (the last committed token and the n accepted drafts:
                   start = len(history before the commit) - 1)
-Per request the drafter keeps ``valid`` (cache positions 0..valid-1 were computed from true target
+Per request the drafter keeps ``valid`` (cache positions ..valid-1 were computed from true target
 hiddens) and the handed-over hiddens of positions valid.. not yet run.
 
 propose (history x_0..x_{N-1}, k drafts):
@@ -27,8 +27,16 @@ propose (history x_0..x_{N-1}, k drafts):
 Afterwards valid = N-2 and the hidden of position N-2 is kept, so the next step 0 re-runs it with
 the new positions and always has a row to run. Rollback is implicit: speculative entries lie past
 ``valid`` and step 0 of the next propose overwrites them with true ones before anything reads them.
-A request whose first hand-over starts past position 0 (its prompt came from the target's prefix
-cache) gets no MTP drafts until it is released (its early hiddens were never computed).
+Guided requests draw under their grammar and a reduced draft vocabulary narrows the head
+(draw.py, draft_vocab.py).
+
+A request resumed from the target's prefix cache (its first hand-over starts at position b > 0:
+the hiddens of the cached prompt were never computed) drafts from a window: its MTP sequence
+begins at b, its cache rows are those of positions b.. and its MLA attention reads them only. The
+window is laid out at local positions p - b; RoPE is relative, so that is the MTP layer run on the
+history from b on, at its true positions. No target row is recomputed; drafts start with the first
+decode step and see more context as the request goes on.
+Draft steps replay CUDA graphs per batch capacity where they fit (mtp_graphs.py; ``graphs``).
 Only MTP layer 0 is used; further layers (num_nextn_predict_layers > 1) are not (see the report).
 """
 
@@ -41,16 +49,20 @@ from typing import Sequence
 import torch
 
 from k3trt.config import ModelConfig
-from k3trt.model.context import ModelCache
+from k3trt.model.context import ModelCache, StepContext
 from k3trt.runtime import sampling
-from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, pick, stack_q, step_context
+from k3trt.runtime.graphs import graphs_by_default
+from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, drawer, stack_q, step_context
 from k3trt.runtime.speculative.drafter import DraftInput, Drafter, Proposal
+from k3trt.runtime.speculative.draw import DraftMasks
+from k3trt.runtime.speculative.mtp_graphs import MTPGraphs
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _MTPSeq:
+    base: int = 0                              # first position of the window (module doc); 0 normally
     blocks: list[int] = field(default_factory=list)
     valid: int = 0                             # MTP cache positions computed from true hiddens
     hidden: torch.Tensor | None = None         # target hiddens of positions valid.. [m, H]
@@ -68,34 +80,43 @@ class MTPDrafter(Drafter):
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, k_max: int, max_live: int, max_model_len: int,
                  block_size: int = 16, num_blocks: int | None = None, sample_drafts: bool = False,
+                 draft_vocab: torch.Tensor | None = None, graphs: bool | None = None,
                  cache: ModelCache | None = None):
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("this checkpoint has no MTP layers (num_nextn_predict_layers = 0): "
                              "use --speculative ngram or draft:DIR")
         p = next(model.parameters())
         self.model, self.cfg, self.device, self.k_max = model, cfg, p.device, k_max
-        self.block_size, self.sample_drafts = block_size, sample_drafts
+        self.block_size = block_size
         self.idx = cfg.num_hidden_layers          # MTP layer 0 (k3.py: layers[num_hidden_layers + j])
+        self.draw = drawer(model, cfg, draft_vocab, sample_drafts)
         nb = num_blocks or max_live * -(-(max_model_len + k_max) // block_size)
         # `cache`: one the caller allocated for these nb blocks (a rank's shard: runtime/rank_session.py)
         self.cache = cache or ModelCache.allocate(cfg, num_blocks=nb, block_size=block_size, num_slots=1,
                                                   dtype=p.dtype, device=self.device, layers=range(self.idx, self.idx + 1))
         self.blocks = BlockList(nb)
         self.seqs: dict[str, _MTPSeq] = {}
-        self.blind: set[str] = set()      # requests whose first hand-over skipped positions (prefix hit)
+        self.eager_steps = 0
+        if graphs is None:
+            graphs = graphs_by_default(self.device, p.dtype)
+        self.graphs = MTPGraphs(self._forward, self._finish, hidden_size=cfg.hidden_size, dtype=p.dtype,
+                                device=self.device, max_live=max_live, k_max=k_max,
+                                max_blocks=-(-(max_model_len + k_max) // block_size), block_size=block_size,
+                                ) if graphs else None
+        log.info("MTP drafter: k <= %d, draft vocabulary %s, CUDA graphs %s", k_max,
+                 self.draw.head.size, "off" if self.graphs is None else "on" if self.graphs.capture
+                 else "static (uncaptured)")
 
     # ------------------------------------------------------------------------ drafter API
     def on_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
-        if request_id in self.blind:
-            return
         st = self.seqs.get(request_id)
-        if st is None:
-            if start > 0:   # the history began in the target's prefix cache: no hiddens for it, no drafts
-                log.debug("MTP drafter: %s starts at position %d (prefix cache hit); no drafts for it",
+        if st is None or start < st.base:
+            if st is not None:
+                self.blocks.give(st.blocks)
+            if start > 0:     # the history began in the target's prefix cache: a window from here
+                log.debug("MTP drafter: %s starts at position %d (prefix cache hit); drafting from a window",
                           request_id, start)
-                self.blind.add(request_id)
-                return
-            st = self.seqs[request_id] = _MTPSeq()
+            st = self.seqs[request_id] = _MTPSeq(base=start, valid=start)
         if start > st.known:
             raise ValueError(f"MTP drafter: hidden states for {request_id} start at position {start} but only "
                              f"positions < {st.known} were handed over (every committed position is needed)")
@@ -117,51 +138,78 @@ class MTPDrafter(Drafter):
             if not want or st is None or st.hidden is None or st.known < N - 1 or st.valid >= N - 1:
                 continue                       # no hand-over yet for every committed position
             st.hidden = st.hidden[:N - 1 - st.valid]
-            if not self.blocks.grow(st.blocks, N - 2 + want, self.block_size):
+            if not self.blocks.grow(st.blocks, N - 2 + want - st.base, self.block_size):
                 continue
-            if st.generator is None and self.sample_drafts and inp.params is not None and not inp.params.greedy:
+            if st.generator is None and self.draw.sample_drafts and inp.params is not None and not inp.params.greedy:
                 st.generator = sampling.make_generator(inp.seed, self.device)
             live.append((i, inp, st, want))
         if not live:
             return out
         qs: dict[int, list] = {i: [] for i, *_ in live}
-        with torch.inference_mode():
-            steps = [SeqStep(inp.token_ids[st.valid + 1:], st.valid, st.blocks, 0) for _, inp, st, _ in live]
-            prev = torch.cat([st.hidden for _, _, st, _ in live])
-            for _, inp, st, _ in live:
-                n = len(inp.token_ids)
-                st.valid, st.hidden = n - 2, st.hidden[-1:]
-            rows = live
-            for j in range(max(w for *_, w in live)):
-                g, logits = self._step(steps, prev)
-                toks, q = pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
-                               self.sample_drafts)
-                for (i, *_), t, qr in zip(rows, toks, q):
-                    out.tokens[i].append(t)
-                    qs[i].append(qr)
-                # the next step's rows: the sequences that want more than j + 1 drafts
-                keep = [a for a, r in enumerate(rows) if r[3] > j + 1]
-                rows, prev = [rows[a] for a in keep], g[keep]
-                steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 1 + j, st.blocks, 0)
-                         for i, inp, st, _ in rows]
+        masks = self.draw.masks([inp for _, inp, _, _ in live])
+        try:
+            with torch.inference_mode():
+                self._draft(live, out, qs, masks)
+        finally:
+            if masks is not None:
+                masks.close()
         for i in qs:
             out.probs[i] = stack_q(qs[i])
         return out
 
     def release(self, request_id: str) -> None:
-        self.blind.discard(request_id)
         st = self.seqs.pop(request_id, None)
         if st is not None:
             self.blocks.give(st.blocks)
 
+    def stats(self) -> dict[str, int]:
+        steps = {f"{k}_steps": v for k, v in self.graphs.stats.items()} if self.graphs is not None else {}
+        return {**self.draw.stats(), **steps, "eager_steps": self.eager_steps}
+
     # ------------------------------------------------------------------------ internals
+    def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:
+        """The draft steps of propose (module doc); a row whose draw gives no token drafts no further."""
+        steps = [SeqStep(inp.token_ids[st.valid + 1:], st.valid - st.base, st.blocks, 0) for _, inp, st, _ in live]
+        prev = torch.cat([st.hidden for _, _, st, _ in live])
+        for _, inp, st, _ in live:
+            st.valid, st.hidden = len(inp.token_ids) - 2, st.hidden[-1:]
+        rows = live
+        for j in range(max(w for *_, w in live)):
+            g, logits = self._step(steps, prev)
+            toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
+                                     masks)
+            for (i, *_), t, qr in zip(rows, toks, q):
+                if t is not None:
+                    out.tokens[i].append(t)
+                    qs[i].append(qr)
+            # the next step's rows: the sequences that want more than j + 1 drafts and got this one
+            keep = [a for a, r in enumerate(rows) if r[3] > j + 1 and toks[a] is not None]
+            if not keep:
+                return
+            rows, prev = [rows[a] for a in keep], g[keep]
+            steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 1 + j - st.base, st.blocks, 0)
+                     for i, inp, st, _ in rows]
+
     def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward: (g at each sequence's last row [S, H], after shared_head.norm: the next
-        step's previous hidden; logits there [S, V] fp32). Mirrors K3ForCausalLM.mtp(0, …) but takes
-        the lm_head only at the last rows: step 0 may hold a whole prompt, and logits for every row
-        would cost T x V."""
+        step's previous hidden; logits there over the draft head's columns [S, N] fp32). Mirrors
+        K3ForCausalLM.mtp(0, …) but takes the head only at the last rows: step 0 may hold a whole
+        prompt, and logits for every row would cost T x V. A replayed graph when one fits."""
+        key = self.graphs.fits(steps) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(key, steps, prev)
+        self.eager_steps += 1
         ids, ctx = step_context(steps, self.block_size, self.device)
-        return mtp_forward(self.model, self.cache, ids, ctx, prev)
+        h = self._forward(ids, prev, ctx)
+        return self._finish(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
+
+    def _forward(self, ids: torch.Tensor, prev: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        m = self.model
+        return m.model.layers[self.idx](m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
+
+    def _finish(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.model.model.layers[self.idx].shared_head.norm(h)
+        return g, self.draw.head(g)
 
 
 def mtp_forward(model: torch.nn.Module, cache: ModelCache, ids: torch.Tensor, ctx, prev: torch.Tensor

@@ -15,7 +15,8 @@ vocabulary, the cache and the bitmask, `check_guided` refuses a request at submi
                request.guide_future = cache.submit(spec, vocab)
   schedule:    a guided request runs only once its future is done; then (once)
                request.guided = future.result().new_state()  (GrammarError -> finish it "error")
-  draft:       K drafts as usual
+  draft:       K drafts; model drafters draw them under the grammar (request.guided.draft_walk():
+               masked argmax / masked draw, speculative/draw.py), others draft as usual
   cut:         n = request.guided.admit(drafts); drafts = drafts[:n]     (before the forward: what
                is verified must be admitted; no mask is filled here)
   run:         launch the forward (logits for every row); while it runs on the GPU:

@@ -7,6 +7,9 @@ Per step (see the package doc for the full sequence):
   for the last committed position and each draft, walking the matcher through the drafts and
   rolling it back before returning (the matcher is never left advanced), and returns the same n;
   `fill_masks_batch` does that for many requests at once (xgrammar's BatchGrammarMatcher);
+- `draft_walk()` (while a drafter draws a guided request's drafts) walks the matcher over each
+  drawn token and fills the mask of the next one, so drafts are drawn under the grammar; closing
+  it rolls the matcher back;
 - `commit(tokens)` advances by the tokens actually accepted and returns how many it consumed: all
   of them, or fewer when the grammar ended (eos accepted) inside the block.
 
@@ -65,27 +68,19 @@ class GuidedState:
         """How many leading drafts the grammar admits: the n fill_masks would return, without
         filling any mask row (the cheap check that cuts drafts before verification). The matcher
         is left where it was."""
-        self._check_live()
-        v, gate, steps, n = self.vocab, self._gate, 0, 0
+        walk, n = self.draft_walk(), 0
         try:
             for token in drafts:
-                token = int(token)
-                if not 0 <= token < v.vocab_size:              # a drafter may propose garbage
+                if not walk.advance(token):
                     break
-                if gate is not None:
-                    if not (int(v.free_row[token >> 5]) >> (token & 31)) & 1:     # the free row's bit
-                        break
-                    gate = self._advance_gate(gate, token)
-                elif (self._matcher.is_terminated() or (token != v.eos_id and not v.token_bytes(token))
-                      or not self._matcher.accept_token(token)):
-                    break     # a special token no grammar can ask for: refused without asking xgrammar (it logs)
-                else:
-                    steps += 1
                 n += 1
         finally:
-            if steps:
-                self._matcher.rollback(steps)
+            walk.close()
         return n
+
+    def draft_walk(self) -> "DraftWalk":
+        """A walk from the committed state over drafts as they are drawn (DraftWalk); close() it."""
+        return DraftWalk(self)
 
     def fill_masks(self, drafts: Sequence[int], bitmask: torch.Tensor, row0: int = 0) -> int:
         """Fill bitmask rows row0 + i (i = 0 .. n) for the position after the last committed token
@@ -174,6 +169,55 @@ class GuidedState:
         if after_close and token not in v.special_ids and len(name) <= _MAX_NAME:
             return (True, name + v.token_bytes(token))
         return _CLOSED
+
+
+class DraftWalk:
+    """A guided request's grammar walked over its drafts while a drafter draws them: ``fill`` writes
+    the mask of the next draft, ``advance`` walks on by the drawn token (False: the grammar refuses
+    it, and the walk stops there); ``close`` rolls the matcher back to the committed state. The
+    same rules as ``admit`` (which is such a walk): out-of-vocabulary ids and special tokens no
+    grammar can ask for are refused without asking xgrammar."""
+
+    def __init__(self, state: GuidedState) -> None:
+        state._check_live()
+        self.state, self.gate, self.steps, self.stopped = state, state._gate, 0, False
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.state._fill_row(self.gate, bitmask, row)
+
+    def advance(self, token: int) -> bool:
+        s, v, token = self.state, self.state.vocab, int(token)
+        m = s._matcher
+        if self.stopped or not 0 <= token < v.vocab_size:
+            ok = False
+        elif self.gate is not None:
+            ok = bool((int(v.free_row[token >> 5]) >> (token & 31)) & 1)     # the free row's bit
+            if ok:
+                self.gate = s._advance_gate(self.gate, token)
+        else:    # a special token no grammar can ask for: refused without asking xgrammar (it logs)
+            ok = (not m.is_terminated() and (token == v.eos_id or bool(v.token_bytes(token)))
+                  and m.accept_token(token))
+            self.steps += ok
+        self.stopped = not ok
+        return ok
+
+    def close(self) -> None:
+        if self.steps and not self.state.released:
+            self.state._matcher.rollback(self.steps)
+        self.steps = 0
+
+
+def fill_walks(walks: Sequence[DraftWalk], bitmask: torch.Tensor, batcher: Any = None) -> None:
+    """DraftWalk.fill of walks[i] into bitmask row i, the rows that ask xgrammar in one batched
+    call when `batcher` (a BatchGrammarMatcher) is given."""
+    batch = []
+    for i, w in enumerate(walks):
+        if batcher is not None and w.gate is None and not w.state._matcher.is_terminated():
+            batch.append(i)
+        else:
+            w.fill(bitmask, i)
+    if batch:
+        batcher.batch_fill_next_token_bitmask([walks[i].state._matcher for i in batch], bitmask, batch)
 
 
 def fill_masks_batch(items: Sequence[tuple[GuidedState, Sequence[int], int]], bitmask: torch.Tensor,
