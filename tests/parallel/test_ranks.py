@@ -40,7 +40,7 @@ CANCEL_AT = 3                # the cancelled request (the second) ends after thi
 LAYOUTS = {       # name -> (layout, engine options)
     "tp2": (dict(tp=2), {}),
     "dcp2-ngram": (dict(dcp=2), dict(speculative="ngram")),
-    "tp2dcp2ep2-mtp": (dict(tp=2, dcp=2, ep=2, dcp_interleave=2), dict(speculative="mtp")),
+    "tp2ep2-mtp": (dict(tp=2, ep=2), dict(speculative="mtp")),
     # GraphSession's padded static steps (uncaptured on CPU), with every rank's collectives inside
     "tp2dcp2ep2-static": (dict(tp=2, dcp=2, ep=2), dict(cuda_graphs=True)),
     "ep2-mtp": (dict(ep=2), dict(speculative="mtp")),
