@@ -42,9 +42,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import logging
 import time
 import traceback
+import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,6 +62,7 @@ from k3trt.engine.capacities import Capacities
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import init_random_
+from k3trt.runtime.kv_cache import CachePlan, plan_cache
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.speculative.mtp import MTPDrafter
@@ -69,12 +73,59 @@ BLOCK = 64
 
 
 # ------------------------------------------------------------------------------ engines and runs
-def make_llm(model, a, *, k: int = 0, drafter=None) -> LLM:
-    caps = Capacities.plan(max_batch=max(a.batches), max_num_tokens=a.max_num_tokens, spec_tokens=k,
-                           verify=sorted(set(a.batches)))
-    build = BuildConfig(dtype=a.dtype, block_size=BLOCK, max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len)
-    return LLM.from_model(model, build=build, capacities=caps, prefix_caching=False, spec_tokens=k or None,
-                          drafter=drafter, cuda_graphs=True, kv_cache_memory=a.kv_cache_mb << 20)
+def build_config(a) -> BuildConfig:
+    return BuildConfig(dtype=a.dtype, block_size=BLOCK, max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len)
+
+
+def cache_plan(cfg, a, k: int, batches: list[int]) -> CachePlan:
+    """The cache an engine for `batches` at K = k allocates, sized from need (every live request at
+    max_seq_len, its KDA slots with the K + 1 states a verify saves), never from free memory,
+    which a previous engine's cached blocks would distort."""
+    b = build_config(a)
+    return plan_cache(cfg, budget_bytes=1 << 62, block_size=BLOCK, max_live=max(batches), max_model_len=a.max_seq_len,
+                      kv_dtype=b.kv_torch_dtype, state_dtype=b.torch_dtype, max_q=k + 1 if k else 0,
+                      num_blocks=max(batches) * -(-a.max_seq_len // BLOCK))
+
+
+def fitting_batches(run: "Run", cfg, k: int) -> list[int]:
+    """The batches whose cache fits --kv-cache-mb at this K; those left out are rows saying why."""
+    a, fit = run.args, list(run.args.batches)
+    while fit and cache_plan(cfg, a, k, fit).total_bytes > a.kv_cache_mb << 20:
+        b = fit.pop()
+        need = cache_plan(cfg, a, k, fit + [b]).total_bytes / 2**30
+        run.skip(f"K{k} b{b}", f"its cache (KDA states for K+1 positions) needs {need:.1f} GiB, over --kv-cache-mb "
+                 f"{a.kv_cache_mb} MiB", kind="spec" if k else "plain", spec_tokens=k, batch=b)
+    return fit
+
+
+@contextmanager
+def engine(run: "Run", model, k: int, batches: list[int], drafter=None):
+    """An engine for `batches` at K = k with an exactly sized cache; on exit closed and gone, its
+    memory back to the allocator (checked: the next engine must find what this one held)."""
+    a = run.args
+    caps = Capacities.plan(max_batch=max(batches), max_num_tokens=a.max_num_tokens, spec_tokens=k, verify=batches)
+    plan = cache_plan(model.cfg, a, k, batches)
+    llm = LLM.from_model(model, build=build_config(a), capacities=caps, prefix_caching=False, spec_tokens=k or None,
+                         drafter=drafter, cuda_graphs=True, kv_cache_memory=plan.total_bytes,
+                         num_blocks=plan.num_blocks)
+    gone = weakref.ref(llm)
+    try:
+        yield llm
+    finally:
+        llm.close()
+        del llm
+        release(run, gone)
+
+
+def release(run: "Run", gone: weakref.ref) -> None:
+    gc.collect()
+    if gone() is not None:
+        run.doc["errors"].append("an engine outlived its run: its memory stays held (a reference leaked)")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated() - run.model_bytes
+        if held > 1 << 30:
+            run.doc["errors"].append(f"{held / 2**30:.1f} GiB still allocated after an engine closed")
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -150,8 +201,13 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 # ------------------------------------------------------------------------------ the run
 class Run:
-    def __init__(self, args, doc: dict):
-        self.args, self.doc, self.t0 = args, doc, time.perf_counter()
+    def __init__(self, args, doc: dict, model_bytes: int = 0):
+        self.args, self.doc, self.t0, self.model_bytes = args, doc, time.perf_counter(), model_bytes
+
+    def skip(self, name: str, why: str, **meta) -> None:
+        log.warning("%s skipped: %s", name, why)
+        self.doc["cases"].append({"name": name, **meta, "skipped": why})
+        self.save()
 
     def save(self) -> None:
         write_json(self.args.json, self.doc)
@@ -183,9 +239,11 @@ class Run:
 def plain_cases(run: Run, model, ps: dict) -> dict[int, dict]:
     """Plain decoding per batch: the baseline rows (with their outputs, the oracle's references)."""
     a, base = run.args, {}
-    llm = make_llm(model, a)
-    try:
-        for b in a.batches:
+    batches = fitting_batches(run, model.cfg, 0)
+    if not batches:
+        return base
+    with engine(run, model, 0, batches) as llm:
+        for b in batches:
             drive(llm, ps[b], 4)          # warm-up: shapes, kernels
 
             def plain(b=b):
@@ -198,8 +256,6 @@ def plain_cases(run: Run, model, ps: dict) -> dict[int, dict]:
             row = run.case(f"plain b{b}", plain, kind="plain", batch=b)
             if row and "error" not in row:
                 base[b] = row
-    finally:
-        free(llm)
     return base
 
 
@@ -213,44 +269,67 @@ def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
         if run.over_budget():
             run.doc["errors"].append(f"K={k}: past the {a.budget_s}s budget")
             continue
-        llm = None
+        batches = [b for b in fitting_batches(run, cfg, k) if b in base]
+        if not batches:
+            continue
         try:
-            llm = make_llm(model, a, k=k, drafter=oracle)
-            mtp = MTPDrafter(model, cfg, k_max=k, max_live=max(a.batches), max_model_len=llm.max_model_len,
-                             block_size=llm.cache.block_size) if "mtp" in a.costs else None
-            for b in a.batches:
-                if b not in base:
-                    continue
-                if b not in host_sync:      # speculation off per request: synchronous q = 1 steps
-                    drive(llm, ps[b], 4, speculate=False)                      # warm-up
-                    r = drive(llm, ps[b], a.max_tokens, speculate=False)
-                    host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
-                    base[b]["host_sync_ms"] = host_sync[b]
-                    base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
-                rows = []
-                for cost in a.costs:
-                    oracle.configure(alpha=1.0, cost=mtp if cost == "mtp" else None)
-                    drive(llm, ps[b], 2 * k + 2)      # warm-up (the oracle knows only these prompts)
-                    for alpha in a.alphas:
-                        def spec(b=b, k=k, alpha=alpha, cost=cost):
-                            oracle.configure(alpha=alpha, seed=a.seed, cost=mtp if cost == "mtp" else None)
-                            return measure_case(llm, oracle, ps[b], base[b], k, alpha, a.max_tokens, a.reruns)
-                        row = run.case(f"K{k} b{b} {cost} a{alpha}", spec, kind="spec", spec_tokens=k, batch=b,
-                                       cost=cost, alpha=alpha)
-                        if row and "error" not in row:
-                            rows.append(row)
-                verify, roof = step_ms(llm, b, k + 1), roofline_ms(run, model, b, k + 1)
-                for row in rows:            # the verify step alone, as the batch last ran it
-                    finish_row(row, verify, base[b]["decode_ms"], host_sync[b])
-                    row["verify_roofline_ms"] = roof
-                    row["verify_vs_roofline"] = row["graph_vs_roofline"] = _ratio(verify, roof)
-                run.save()
+            with engine(run, model, k, batches, drafter=oracle) as llm:
+                sweep_engine(run, model, llm, oracle, k, batches, ps, base, host_sync)
         except Exception as e:
             log.error("K=%d engine: %s: %s", k, type(e).__name__, e)
             run.doc["errors"].append(f"K={k} engine: {type(e).__name__}: {e}")
         finally:
             oracle.configure(alpha=1.0, cost=None)
-            free(llm)
+
+
+def mtp_drafter(run: Run, model, llm: LLM, k: int, max_live: int) -> MTPDrafter:
+    """The runtime's MTP drafter on the target's MTP layer, with the reduced draft vocabulary and
+    CUDA graphs the runtime offers; options this runtime's MTPDrafter lacks are noted in the record."""
+    a, takes, kw = run.args, inspect.signature(MTPDrafter).parameters, {}
+    wanted = {"graphs": a.mtp_graphs, "draft_vocab": a.mtp_draft_vocab}
+    if "graphs" in takes:
+        kw["graphs"] = a.mtp_graphs
+    if a.mtp_draft_vocab and "draft_vocab" in takes:   # random weights: any n ids cost the same
+        kw["draft_vocab"] = torch.arange(a.mtp_draft_vocab, dtype=torch.int64)
+    for opt in (o for o, want in wanted.items() if want and o not in takes):
+        note = f"this runtime's MTPDrafter takes no {opt}: MTP drafts run without it"
+        if note not in run.doc["notes"]:
+            log.warning(note)
+            run.doc["notes"].append(note)
+    return MTPDrafter(model, model.cfg, k_max=k, max_live=max_live, max_model_len=llm.max_model_len,
+                      block_size=llm.cache.block_size, **kw)
+
+
+def sweep_engine(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
+                 base: dict[int, dict], host_sync: dict) -> None:
+    a = run.args
+    mtp = mtp_drafter(run, model, llm, k, max(batches)) if "mtp" in a.costs else None
+    for b in batches:
+        if b not in host_sync:      # speculation off per request: synchronous q = 1 steps
+            drive(llm, ps[b], 4, speculate=False)                      # warm-up
+            r = drive(llm, ps[b], a.max_tokens, speculate=False)
+            host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
+            base[b]["host_sync_ms"] = host_sync[b]
+            base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
+        rows = []
+        for cost in a.costs:
+            oracle.configure(alpha=1.0, cost=mtp if cost == "mtp" else None)
+            drive(llm, ps[b], 2 * k + 2)      # warm-up (the oracle knows only these prompts)
+            for alpha in a.alphas:
+                def spec(b=b, alpha=alpha, cost=cost):
+                    oracle.configure(alpha=alpha, seed=a.seed, cost=mtp if cost == "mtp" else None)
+                    return measure_case(llm, oracle, ps[b], base[b], k, alpha, a.max_tokens, a.reruns)
+                row = run.case(f"K{k} b{b} {cost} a{alpha}", spec, kind="spec", spec_tokens=k, batch=b,
+                               cost=cost, alpha=alpha)
+                if row and "error" not in row:
+                    rows.append(row)
+        verify, roof = step_ms(llm, b, k + 1), roofline_ms(run, model, b, k + 1)
+        for row in rows:            # the verify step alone, as the batch last ran it
+            finish_row(row, verify, base[b]["decode_ms"], host_sync[b])
+            row["verify_roofline_ms"] = roof
+            row["verify_vs_roofline"] = row["graph_vs_roofline"] = _ratio(verify, roof)
+        run.save()
+    oracle.configure(alpha=1.0, cost=None)      # the oracle outlives the engine: drop its MTP drafter
 
 
 def measure_case(llm: LLM, oracle: OracleDrafter, ps: list, base: dict, k: int, alpha: float, max_tokens: int,
@@ -301,14 +380,6 @@ def _hidden(host_sync, exposed):
     return round(max(0.0, host_sync - exposed), 4) if host_sync is not None and exposed is not None else None
 
 
-def free(llm: LLM | None) -> None:
-    if llm is not None:
-        llm.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ------------------------------------------------------------------------------ main
 def parse(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -325,10 +396,16 @@ def parse(argv: list[str] | None):
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-num-tokens", type=int, default=8192)
     ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--kv-cache-mb", type=int, default=20480,
-                    help="per engine; the spec preset's KDA states at batch 32, K=5 take ~17 GiB")
+    ap.add_argument("--kv-cache-mb", type=int, default=None,
+                    help="cap on each engine's exactly sized cache (default: free memory after the model less "
+                         "--reserve-mb); a batch whose cache exceeds it at some K is skipped there and says so")
+    ap.add_argument("--reserve-mb", type=int, default=8192, help="left free for graphs, activations, the MTP drafter")
     ap.add_argument("--budget-s", type=int, default=400, help="skip cases that would start after this")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
+    ap.add_argument("--mtp-draft-vocab", type=int, default=32768,
+                    help="the MTP drafter's reduced vocabulary (0: the full head), where the runtime has one")
+    ap.add_argument("--mtp-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="the MTP drafter's CUDA graphs (default: the runtime's choice), where the runtime has them")
     ap.add_argument("--breakdown", action="store_true", help="verify vs decode per op at batch 1 (spec_breakdown.py)")
     ap.add_argument("--breakdown-k", type=int, default=3)
     ap.add_argument("--breakdown-ctx", type=int, default=256, help="cached tokens before the profiled step")
@@ -339,7 +416,7 @@ def parse(argv: list[str] | None):
         args.ks, args.alphas, args.batches, args.max_tokens = "1,3", "0.8,1.0", "1,32", 32
     if args.device == "cpu":            # a smoke run: small batches, short prompts and outputs
         args.batches, args.max_tokens, args.prompt_len, args.max_num_tokens, args.kv_cache_mb = "1,4", 12, 16, 256, 256
-        args.breakdown_ctx = 16
+        args.breakdown_ctx, args.mtp_draft_vocab = 16, min(args.mtp_draft_vocab, args.vocab // 4)
         torch.set_num_threads(1)        # tiny steps: one thread beats two fighting over CI's cores
     floats = lambda s: [float(x) for x in s.split(",") if x]   # noqa: E731
     args.alphas, args.ks, args.batches = floats(args.alphas), [int(x) for x in floats(args.ks)], \
@@ -359,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
     doc = record(__file__, argv, note="random weights; acceptance set by the oracle drafter (benchmarks/oracle.py): "
                  "the target's own greedy continuation, each position replaced with probability 1 - alpha",
                  machine=machine(device), preset=a.preset, dtype=a.dtype,
-                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, cases=[], errors=[])
+                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, cases=[], errors=[], notes=[])
     doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     t0 = time.perf_counter()
     cfg = ModelConfig.from_dict(preset_config(a.preset, a.vocab))
@@ -370,7 +447,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "mtp_layers": cfg.num_nextn_predict_layers, "experts": cfg.num_experts,
                     "top_k": cfg.num_experts_per_token, "init_s": round(time.perf_counter() - t0, 2)}
     log.info("model: %.2fB parameters on %s in %.1fs", doc["model"]["params"] / 1e9, device, doc["model"]["init_s"])
-    run = Run(a, doc)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if a.kv_cache_mb is None:
+        a.kv_cache_mb = (torch.cuda.mem_get_info(device)[0] >> 20) - a.reserve_mb if device.type == "cuda" else 1024
+        doc["settings"]["kv_cache_mb"] = a.kv_cache_mb
+    log.info("engine caches capped at %d MiB each", a.kv_cache_mb)
+    run = Run(a, doc, model_bytes=model_bytes if device.type == "cuda" else 0)
     if a.breakdown:
         import spec_breakdown  # noqa: PLC0415 (only this mode)
         doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.breakdown_ctx,

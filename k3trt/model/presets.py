@@ -66,7 +66,8 @@ K3_DEFAULTS: dict[str, Any] = dict(
 
 # Each preset's MoonViT (vision_config in the released spelling): tiny for CI; small a few layers;
 # medium the published per-layer sizes (Kimi K2.5 / K3: 1152 wide, 16 heads, 4304 MLP, 64×64
-# position table) with few layers. The projector maps to the preset's text hidden size.
+# position table) with few layers; spec a tiny tower (its benchmark is text-only and needs the
+# memory for layers). The projector maps to the preset's text hidden size.
 VISION_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=2,
                  init_pos_emb_height=4, init_pos_emb_width=4),
@@ -74,6 +75,8 @@ VISION_PRESETS: dict[str, dict[str, Any]] = {
                   init_pos_emb_height=16, init_pos_emb_width=16),
     "medium": dict(vt_hidden_size=1152, vt_intermediate_size=4304, vt_num_attention_heads=16, vt_num_hidden_layers=4,
                    init_pos_emb_height=64, init_pos_emb_width=64),
+    "spec": dict(vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=2,
+                 init_pos_emb_height=4, init_pos_emb_width=4),
 }
 VISION_DEFAULTS: dict[str, Any] = dict(
     model_type="kimi_k25_vision", patch_size=14, init_pos_emb_time=4, merge_kernel_size=[2, 2],
