@@ -100,27 +100,28 @@ def fitting_batches(run: "Run", cfg, k: int) -> list[int]:
 
 @contextmanager
 def engine(run: "Run", model, k: int, batches: list[int], drafter=None):
-    """An engine for `batches` at K = k with an exactly sized cache; on exit closed and gone, its
-    memory back to the allocator (checked: the next engine must find what this one held)."""
+    """An engine for `batches` at K = k with an exactly sized cache, closed on exit. Hold it only in
+    the frame of a function that returns after the block: the next engine checks it is gone."""
     a = run.args
+    settle(run)
     caps = Capacities.plan(max_batch=max(batches), max_num_tokens=a.max_num_tokens, spec_tokens=k, verify=batches)
     plan = cache_plan(model.cfg, a, k, batches)
     llm = LLM.from_model(model, build=build_config(a), capacities=caps, prefix_caching=False, spec_tokens=k or None,
                          drafter=drafter, cuda_graphs=True, kv_cache_memory=plan.total_bytes,
                          num_blocks=plan.num_blocks)
-    gone = weakref.ref(llm)
+    run.last_engine = weakref.ref(llm)
     try:
         yield llm
     finally:
         llm.close()
-        del llm
-        release(run, gone)
 
 
-def release(run: "Run", gone: weakref.ref) -> None:
+def settle(run: "Run") -> None:
+    """The last engine gone and its memory back to the driver, or the record says it was not."""
     gc.collect()
-    if gone() is not None:
+    if run.last_engine is not None and run.last_engine() is not None:
         run.doc["errors"].append("an engine outlived its run: its memory stays held (a reference leaked)")
+    run.last_engine = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         held = torch.cuda.memory_allocated() - run.model_bytes
@@ -203,6 +204,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class Run:
     def __init__(self, args, doc: dict, model_bytes: int = 0):
         self.args, self.doc, self.t0, self.model_bytes = args, doc, time.perf_counter(), model_bytes
+        self.last_engine: weakref.ref | None = None
 
     def skip(self, name: str, why: str, **meta) -> None:
         log.warning("%s skipped: %s", name, why)
@@ -273,8 +275,7 @@ def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
         if not batches:
             continue
         try:
-            with engine(run, model, k, batches, drafter=oracle) as llm:
-                sweep_engine(run, model, llm, oracle, k, batches, ps, base, host_sync)
+            sweep_engine(run, model, oracle, k, batches, ps, base, host_sync)
         except Exception as e:
             log.error("K=%d engine: %s: %s", k, type(e).__name__, e)
             run.doc["errors"].append(f"K={k} engine: {type(e).__name__}: {e}")
@@ -286,7 +287,8 @@ def mtp_drafter(run: Run, model, llm: LLM, k: int, max_live: int) -> MTPDrafter:
     """The runtime's MTP drafter on the target's MTP layer, with the reduced draft vocabulary and
     CUDA graphs the runtime offers; options this runtime's MTPDrafter lacks are noted in the record."""
     a, takes, kw = run.args, inspect.signature(MTPDrafter).parameters, {}
-    wanted = {"graphs": a.mtp_graphs, "draft_vocab": a.mtp_draft_vocab}
+    wanted = {"graphs": a.mtp_graphs if a.mtp_graphs is not None else a.device.startswith("cuda"),
+              "draft_vocab": a.mtp_draft_vocab}
     if "graphs" in takes:
         kw["graphs"] = a.mtp_graphs
     if a.mtp_draft_vocab and "draft_vocab" in takes:   # random weights: any n ids cost the same
@@ -300,8 +302,14 @@ def mtp_drafter(run: Run, model, llm: LLM, k: int, max_live: int) -> MTPDrafter:
                       block_size=llm.cache.block_size, **kw)
 
 
-def sweep_engine(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
+def sweep_engine(run: Run, model, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
                  base: dict[int, dict], host_sync: dict) -> None:
+    with engine(run, model, k, batches, drafter=oracle) as llm:
+        sweep_batches(run, model, llm, oracle, k, batches, ps, base, host_sync)
+
+
+def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
+                  base: dict[int, dict], host_sync: dict) -> None:
     a = run.args
     mtp = mtp_drafter(run, model, llm, k, max(batches)) if "mtp" in a.costs else None
     for b in batches:
@@ -463,6 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
     ps = {b: prompts(b, a.prompt_len, cfg.vocab_size, b) for b in a.batches}
     base = plain_cases(run, model, ps)
     sweep(run, model, ps, base)
+    settle(run)
     for c in doc["cases"]:
         c.pop("outputs", None)
     doc["goals"] = goals(doc["cases"])
