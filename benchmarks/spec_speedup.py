@@ -11,7 +11,7 @@ replaced with probability 1 - α. So the figures hold for any weights (random he
 k3trt delivers for a model whose drafts are accepted at rate α. One process:
 
   ceilings   copy bandwidth and bf16 GEMM rate (harness.py; a CPU stand-in with --device cpu)
-  model      the preset (default ``spec``: K3's per-layer dimensions, 16 layers, 8 experts top-4,
+  model      the preset (default ``spec``: K3's per-layer dimensions, 24 layers, 8 experts top-2,
              one MTP layer) built on the device with random weights
   plain      per batch, plain greedy decoding (CUDA graphs, the one-step-ahead launch): tokens/s,
              and the reference outputs; then the (batch, 1) graph replayed alone: decode ms
@@ -54,7 +54,7 @@ import torch
 from harness import best_s, cpu_ceilings, machine, measure, median_ms, record, write_json
 from oracle import OracleDrafter
 from roofline import Sizes, roofline
-from spec_report import goals, plot, report
+from spec_report import goals, k3_model, plot, report
 
 from k3trt.config import ModelConfig
 from k3trt.engine.build_config import BuildConfig
@@ -474,6 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     settle(run)
     for c in doc["cases"]:
         c.pop("outputs", None)
+    k3_model(doc["cases"], cfg.num_hidden_layers)
     doc["goals"] = goals(doc["cases"])
     run.save()
     report(doc)
