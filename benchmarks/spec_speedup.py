@@ -1,7 +1,7 @@
 """Speculative decoding's speedup against acceptance, with the step's cost taken apart.
 
-    PYTHONPATH=. python benchmarks/spec_speedup.py --json $OUT/spec_speedup.json        # H200, < 8 min
-    PYTHONPATH=. python benchmarks/spec_speedup.py --quick --json $OUT/spec_speedup.json  # ~2 min
+    PYTHONPATH=. python benchmarks/spec_speedup.py --json $OUT/spec_speedup.json        # H100 / H200, < 7 min
+    PYTHONPATH=. python benchmarks/spec_speedup.py --quick --json $OUT/spec_speedup.json  # < 2.5 min
     PYTHONPATH=. python benchmarks/spec_speedup.py --breakdown --json $OUT/spec_breakdown.json
     PYTHONPATH=. python benchmarks/spec_speedup.py --device cpu --preset tiny [--quick]  # CPU smoke
 
@@ -13,6 +13,11 @@ k3trt delivers for a model whose drafts are accepted at rate α. One process:
   ceilings   copy bandwidth and bf16 GEMM rate (harness.py; a CPU stand-in with --device cpu)
   model      the preset (default ``spec``: K3's per-layer dimensions, 24 layers, 8 experts top-2,
              one MTP layer) built on the device with random weights
+  engines    one plain, then one per K, each alone on the device: its cache sized from need (every
+             request at --max-seq-len, KDA states for K + 1 positions), a batch whose cache would
+             pass --kv-cache-mb skipped at that K with the reason; an engine lives only in the
+             frame of the function that runs it, and the next one checks it is gone and its memory
+             returned (else the record's errors say so)
   plain      per batch, plain greedy decoding (CUDA graphs, the one-step-ahead launch): tokens/s,
              and the reference outputs; then the (batch, 1) graph replayed alone: decode ms
   sync       per batch, the same prompts with speculation off per request on a speculating engine:
@@ -20,15 +25,20 @@ k3trt delivers for a model whose drafts are accepted at rate α. One process:
   sweep      per K an engine with the oracle drafter; per batch, drafting cost and α: tokens/s
              against plain at the same batch. Drafting costs: ``free`` (the oracle alone: the
              engine's ceiling) and ``mtp`` (the runtime's MTPDrafter on the target's MTP layer run
-             on every propose, with its hidden-state hand-over, its tokens discarded). After each
-             batch the (batch, K+1) verify graph replayed alone: verify ms
+             on every propose, with its hidden-state hand-over, its tokens discarded; with its
+             reduced draft vocabulary, --mtp-draft-vocab, and CUDA graphs where the runtime has
+             them, else the record's notes say it ran without). After each batch the (batch, K+1)
+             verify graph replayed alone: verify ms
 
 Columns: draft ms per token (host wall of propose, device work synchronised), verify ms and its
 ratio to decode ms, the verify graph (plain rows: the decode graph) against its roofline
-(roofline.py: bytes / copy bandwidth or flops / GEMM rate, the ceilings of this run), host ms exposed (step - draft - verify: the GPU waits) and hidden (the sync
-step's host work less the exposed part; an estimate), the ceiling ``ideal×`` = E[tokens per
-step] × decode ms / verify ms (free drafts, no host time; E = Σ_{i≤K} α^i) and the measured
-speedup's share of it. A verify step may take another argmax than plain decoding where two
+(roofline.py: bytes / copy bandwidth or flops / GEMM rate, the ceilings of this run), host ms
+exposed (step - draft - verify: the GPU waits) and hidden (the sync step's host work less the
+exposed part; an estimate), the ceiling ``ideal×`` = E[tokens per step] × decode ms / verify ms
+(free drafts, no host time; E = Σ_{i≤K} α^i) and the measured speedup's share of it, and ``k3×``:
+a model, not a measurement, of the speedup at K3's 93 layers (spec_report.k3_model: decode and
+verify ms scaled by 93 / layers, draft and host ms as measured; the preset's one MTP layer is
+~1/24 of its step, K3's ~1/93). A verify step may take another argmax than plain decoding where two
 logits are within bf16 rounding; the request then leaves its reference and the oracle stops
 drafting for it, so such a case runs again (up to --reruns times) with its own outputs as those
 requests' references (same drafts, same steps, same numerics). Every run's output is compared
@@ -41,94 +51,32 @@ sweep. Plot: PNG beside the JSON when matplotlib imports.
 from __future__ import annotations
 
 import argparse
-import gc
-import inspect
 import logging
 import time
 import traceback
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from harness import best_s, cpu_ceilings, machine, measure, median_ms, record, write_json
 from oracle import OracleDrafter
 from roofline import Sizes, roofline
+from spec_engines import engine, fitting_batches, mtp_drafter, settle
 from spec_report import goals, k3_model, plot, report
 
 from k3trt.config import ModelConfig
 from k3trt.engine.build_config import BuildConfig
-from k3trt.engine.capacities import Capacities
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import init_random_
-from k3trt.runtime.kv_cache import CachePlan, plan_cache
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from k3trt.runtime.speculative.mtp import MTPDrafter
 
 log = logging.getLogger("spec_speedup")
 VOCAB = 129408          # the tokenizer's vocabulary rounded up, as make_checkpoint makes it
-BLOCK = 64
 
 
 # ------------------------------------------------------------------------------ engines and runs
-def build_config(a) -> BuildConfig:
-    return BuildConfig(dtype=a.dtype, block_size=BLOCK, max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len)
-
-
-def cache_plan(cfg, a, k: int, batches: list[int]) -> CachePlan:
-    """The cache an engine for `batches` at K = k allocates, sized from need (every live request at
-    max_seq_len, its KDA slots with the K + 1 states a verify saves), never from free memory,
-    which a previous engine's cached blocks would distort."""
-    b = build_config(a)
-    return plan_cache(cfg, budget_bytes=1 << 62, block_size=BLOCK, max_live=max(batches), max_model_len=a.max_seq_len,
-                      kv_dtype=b.kv_torch_dtype, state_dtype=b.torch_dtype, max_q=k + 1 if k else 0,
-                      num_blocks=max(batches) * -(-a.max_seq_len // BLOCK))
-
-
-def fitting_batches(run: "Run", cfg, k: int) -> list[int]:
-    """The batches whose cache fits --kv-cache-mb at this K; those left out are rows saying why."""
-    a, fit = run.args, list(run.args.batches)
-    while fit and cache_plan(cfg, a, k, fit).total_bytes > a.kv_cache_mb << 20:
-        b = fit.pop()
-        need = cache_plan(cfg, a, k, fit + [b]).total_bytes / 2**30
-        run.skip(f"K{k} b{b}", f"its cache (KDA states for K+1 positions) needs {need:.1f} GiB, over --kv-cache-mb "
-                 f"{a.kv_cache_mb} MiB", kind="spec" if k else "plain", spec_tokens=k, batch=b)
-    return fit
-
-
-@contextmanager
-def engine(run: "Run", model, k: int, batches: list[int], drafter=None):
-    """An engine for `batches` at K = k with an exactly sized cache, closed on exit. Hold it only in
-    the frame of a function that returns after the block: the next engine checks it is gone."""
-    a = run.args
-    settle(run)
-    caps = Capacities.plan(max_batch=max(batches), max_num_tokens=a.max_num_tokens, spec_tokens=k, verify=batches)
-    plan = cache_plan(model.cfg, a, k, batches)
-    llm = LLM.from_model(model, build=build_config(a), capacities=caps, prefix_caching=False, spec_tokens=k or None,
-                         drafter=drafter, cuda_graphs=True, kv_cache_memory=plan.total_bytes,
-                         num_blocks=plan.num_blocks)
-    run.last_engine = weakref.ref(llm)
-    try:
-        yield llm
-    finally:
-        llm.close()
-
-
-def settle(run: "Run") -> None:
-    """The last engine gone and its memory back to the driver, or the record says it was not."""
-    gc.collect()
-    if run.last_engine is not None and run.last_engine() is not None:
-        run.doc["errors"].append("an engine outlived its run: its memory stays held (a reference leaked)")
-    run.last_engine = None
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        held = torch.cuda.memory_allocated() - run.model_bytes
-        if held > 1 << 30:
-            run.doc["errors"].append(f"{held / 2**30:.1f} GiB still allocated after an engine closed")
-
-
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(16, vocab - 16, (n, length), generator=g).tolist()
@@ -283,25 +231,6 @@ def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
             oracle.configure(alpha=1.0, cost=None)
 
 
-def mtp_drafter(run: Run, model, llm: LLM, k: int, max_live: int) -> MTPDrafter:
-    """The runtime's MTP drafter on the target's MTP layer, with the reduced draft vocabulary and
-    CUDA graphs the runtime offers; options this runtime's MTPDrafter lacks are noted in the record."""
-    a, takes, kw = run.args, inspect.signature(MTPDrafter).parameters, {}
-    wanted = {"graphs": a.mtp_graphs if a.mtp_graphs is not None else a.device.startswith("cuda"),
-              "draft_vocab": a.mtp_draft_vocab}
-    if "graphs" in takes:
-        kw["graphs"] = a.mtp_graphs
-    if a.mtp_draft_vocab and "draft_vocab" in takes:   # random weights: any n ids cost the same
-        kw["draft_vocab"] = torch.arange(a.mtp_draft_vocab, dtype=torch.int64)
-    for opt in (o for o, want in wanted.items() if want and o not in takes):
-        note = f"this runtime's MTPDrafter takes no {opt}: MTP drafts run without it"
-        if note not in run.doc["notes"]:
-            log.warning(note)
-            run.doc["notes"].append(note)
-    return MTPDrafter(model, model.cfg, k_max=k, max_live=max_live, max_model_len=llm.max_model_len,
-                      block_size=llm.cache.block_size, **kw)
-
-
 def sweep_engine(run: Run, model, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
                  base: dict[int, dict], host_sync: dict) -> None:
     with engine(run, model, k, batches, drafter=oracle) as llm:
@@ -408,7 +337,8 @@ def parse(argv: list[str] | None):
                     help="cap on each engine's exactly sized cache (default: free memory after the model less "
                          "--reserve-mb); a batch whose cache exceeds it at some K is skipped there and says so")
     ap.add_argument("--reserve-mb", type=int, default=8192, help="left free for graphs, activations, the MTP drafter")
-    ap.add_argument("--budget-s", type=int, default=400, help="skip cases that would start after this")
+    ap.add_argument("--budget-s", type=int, default=None,
+                    help="skip cases that would start after this (default 330, --quick 100: whole runs < 7 / 2.5 min)")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
     ap.add_argument("--mtp-draft-vocab", type=int, default=32768,
                     help="the MTP drafter's reduced vocabulary (0: the full head), where the runtime has one")
@@ -422,6 +352,8 @@ def parse(argv: list[str] | None):
     args = ap.parse_args(argv)
     if args.quick:
         args.ks, args.alphas, args.batches, args.max_tokens = "1,3", "0.8,1.0", "1,32", 32
+    if args.budget_s is None:
+        args.budget_s = 100 if args.quick else 330
     if args.device == "cpu":            # a smoke run: small batches, short prompts and outputs
         args.batches, args.max_tokens, args.prompt_len, args.max_num_tokens, args.kv_cache_mb = "1,4", 12, 16, 256, 256
         args.breakdown_ctx = 16

@@ -154,15 +154,16 @@ def test_breakdown_names_the_part_that_launched_each_kernel():
 
 
 def test_batches_whose_cache_does_not_fit_are_skipped_with_the_reason(tiny_model):
-    import spec_speedup  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    import spec_engines  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    import spec_speedup  # noqa: PLC0415
     cfg, _ = tiny_model
     a = spec_speedup.parse(["--device", "cpu", "--batches", "1,4"])
-    one = spec_speedup.cache_plan(cfg, a, 3, [1]).total_bytes
-    assert spec_speedup.cache_plan(cfg, a, 3, [1, 4]).total_bytes > one > spec_speedup.cache_plan(cfg, a, 0, [1]).total_bytes
+    one = spec_engines.cache_plan(cfg, a, 3, [1]).total_bytes
+    assert spec_engines.cache_plan(cfg, a, 3, [1, 4]).total_bytes > one > spec_engines.cache_plan(cfg, a, 0, [1]).total_bytes
     a.kv_cache_mb = -(-one // 2**20)         # room for batch 1 at K = 3, not batch 4
     doc = {"cases": [], "errors": []}
     run = spec_speedup.Run(a, doc)
-    assert spec_speedup.fitting_batches(run, cfg, 3) == [1]
+    assert spec_engines.fitting_batches(run, cfg, 3) == [1]
     assert [(c["name"], c["batch"]) for c in doc["cases"]] == [("K3 b4", 4)] and "GiB" in doc["cases"][0]["skipped"]
 
 
