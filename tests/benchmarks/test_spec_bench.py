@@ -137,6 +137,9 @@ def test_spec_breakdown_cpu_smoke(tmp_path):
     assert r["moe_expert_count_ms"] == pytest.approx(r["step_ms"]["verify"] - r["step_ms"]["verify-same"], abs=1e-3)
     assert r["goal"]["ratio"] == r["verify_vs_decode"] and r["goal"]["ratio_same_experts"] == r["verify_same_vs_decode"]
     assert "without the MoE expert-count effect" in printed
+    gemms = {g["gemm"]: g for g in r["router_gemms"]}
+    assert gemms["fp32 x @ w.T (moe.Router)"]["max_diff"] == 0.0 and gemms["fp32 x @ w.T (moe.Router)"]["ms_3"] > 0
+    assert "error" in gemms["bf16 mm, fp32 out (CUDA)"]          # no CPU kernel: a row saying so, not a crash
 
 
 def test_breakdown_names_the_part_that_launched_each_kernel():
