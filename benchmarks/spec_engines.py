@@ -84,7 +84,7 @@ def settle(run: "Run") -> None:
     run.last_engine = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        held = torch.cuda.memory_allocated() - run.model_bytes
+        held = torch.cuda.memory_allocated() - run.base_bytes
         if held > 1 << 30:
             run.doc["errors"].append(f"{held / 2**30:.1f} GiB still allocated after an engine closed")
 

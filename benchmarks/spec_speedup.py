@@ -150,8 +150,10 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 # ------------------------------------------------------------------------------ the run
 class Run:
-    def __init__(self, args, doc: dict, model_bytes: int = 0):
-        self.args, self.doc, self.t0, self.model_bytes = args, doc, time.perf_counter(), model_bytes
+    def __init__(self, args, doc: dict, base_bytes: int = 0):
+        """base_bytes: device memory allocated before any engine (the model): what each closed
+        engine must leave."""
+        self.args, self.doc, self.t0, self.base_bytes = args, doc, time.perf_counter(), base_bytes
         self.last_engine: weakref.ref | None = None
 
     def skip(self, name: str, why: str, **meta) -> None:
@@ -378,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     doc = record(__file__, argv, note="random weights; acceptance set by the oracle drafter (benchmarks/oracle.py): "
                  "the target's own greedy continuation, each position replaced with probability 1 - alpha",
                  machine=machine(device), preset=a.preset, dtype=a.dtype,
-                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, cases=[], errors=[], notes=[])
+                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+                 cases=[], errors=[], notes=[])
     doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     t0 = time.perf_counter()
     cfg = ModelConfig.from_dict(preset_config(a.preset, a.vocab))
@@ -389,12 +392,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "mtp_layers": cfg.num_nextn_predict_layers, "experts": cfg.num_experts,
                     "top_k": cfg.num_experts_per_token, "init_s": round(time.perf_counter() - t0, 2)}
     log.info("model: %.2fB parameters on %s in %.1fs", doc["model"]["params"] / 1e9, device, doc["model"]["init_s"])
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cuda":
+        torch.cuda.empty_cache()        # the ceilings' buffers: free memory is what engines can have
     if a.kv_cache_mb is None:
         a.kv_cache_mb = (torch.cuda.mem_get_info(device)[0] >> 20) - a.reserve_mb if device.type == "cuda" else 1024
         doc["settings"]["kv_cache_mb"] = a.kv_cache_mb
     log.info("engine caches capped at %d MiB each", a.kv_cache_mb)
-    run = Run(a, doc, model_bytes=model_bytes if device.type == "cuda" else 0)
+    run = Run(a, doc, base_bytes=torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
     if a.breakdown:
         import spec_breakdown  # noqa: PLC0415 (only this mode)
         doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.breakdown_ctx,
