@@ -99,7 +99,7 @@ def router_gemms(model, q: int) -> list[dict]:
                 alone = torch.cat([fn(x[i:i + 1], w, w32) for i in range(q)])
                 row.update({"ms_1": _calls_ms(fn, x[:1], w, w32, n), f"ms_{q}": _calls_ms(fn, x, w, w32, n),
                             "max_diff": float((y - ref).abs().max()), "row_invariant": bool(torch.equal(y, alone))})
-        except (RuntimeError, NotImplementedError) as e:     # a variant this device has no kernel for
+        except (RuntimeError, NotImplementedError, TypeError) as e:   # a variant this torch or device lacks
             row["error"] = str(e).splitlines()[0][:80]
         out.append(row)
     return out
