@@ -340,7 +340,7 @@ def parse(argv: list[str] | None):
                          "--reserve-mb); a batch whose cache exceeds it at some K is skipped there and says so")
     ap.add_argument("--reserve-mb", type=int, default=8192, help="left free for graphs, activations, the MTP drafter")
     ap.add_argument("--budget-s", type=int, default=None,
-                    help="skip cases that would start after this (default 330, --quick 100: whole runs < 7 / 2.5 min)")
+                    help="skip cases that would start after this (default 330, --quick 90: whole runs < 7 / 2.5 min)")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
     ap.add_argument("--mtp-draft-vocab", type=int, default=32768,
                     help="the MTP drafter's reduced vocabulary (0: the full head), where the runtime has one")
@@ -355,7 +355,7 @@ def parse(argv: list[str] | None):
     if args.quick:
         args.ks, args.alphas, args.batches, args.max_tokens = "1,3", "0.8,1.0", "1,32", 32
     if args.budget_s is None:
-        args.budget_s = 100 if args.quick else 330
+        args.budget_s = 90 if args.quick else 330
     if args.device == "cpu":            # a smoke run: small batches, short prompts and outputs
         args.batches, args.max_tokens, args.prompt_len, args.max_num_tokens, args.kv_cache_mb = "1,4", 12, 16, 256, 256
         args.breakdown_ctx = 16
