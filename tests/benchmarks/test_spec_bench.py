@@ -201,6 +201,7 @@ def test_spec_benchmarks_gpu_smoke(tmp_path):
     parts = {p["part"]: p for p in r["parts"]}
     assert parts["moe experts"]["decode"] > 0 and parts["kda"]["verify"] > 0
     assert any(k["part"] not in ("?", "other") for k in r["kernels_grown"])
+    assert r["router_gemms"][0]["ms_1"] > 0 and r["router_gemms"][0]["max_diff"] == 0.0
     run_script("benchmarks/train_draft.py", "--device", "cuda", "--steps", "5", "--tiny", "--json",
                str(tmp_path / "t.json"), timeout=600)
     cases = {c["name"]: c for c in json.loads((tmp_path / "t.json").read_text())["cases"]}
