@@ -1,7 +1,7 @@
 """Speculative decoding's speedup against acceptance, with the step's cost taken apart.
 
-    PYTHONPATH=. python benchmarks/spec_speedup.py --json $OUT/spec_speedup.json        # H200, < 8 min
-    PYTHONPATH=. python benchmarks/spec_speedup.py --quick --json $OUT/spec_speedup.json  # ~2 min
+    PYTHONPATH=. python benchmarks/spec_speedup.py --json $OUT/spec_speedup.json        # H100 / H200, < 7 min
+    PYTHONPATH=. python benchmarks/spec_speedup.py --quick --json $OUT/spec_speedup.json  # < 2.5 min
     PYTHONPATH=. python benchmarks/spec_speedup.py --breakdown --json $OUT/spec_breakdown.json
     PYTHONPATH=. python benchmarks/spec_speedup.py --device cpu --preset tiny [--quick]  # CPU smoke
 
@@ -11,8 +11,13 @@ replaced with probability 1 - α. So the figures hold for any weights (random he
 k3trt delivers for a model whose drafts are accepted at rate α. One process:
 
   ceilings   copy bandwidth and bf16 GEMM rate (harness.py; a CPU stand-in with --device cpu)
-  model      the preset (default ``spec``: K3's per-layer dimensions, 16 layers, 8 experts top-4,
+  model      the preset (default ``spec``: K3's per-layer dimensions, 24 layers, 8 experts top-2,
              one MTP layer) built on the device with random weights
+  engines    one plain, then one per K, each alone on the device: its cache sized from need (every
+             request at --max-seq-len, KDA states for K + 1 positions), a batch whose cache would
+             pass --kv-cache-mb skipped at that K with the reason; an engine lives only in the
+             frame of the function that runs it, and the next one checks it is gone and its memory
+             returned (else the record's errors say so)
   plain      per batch, plain greedy decoding (CUDA graphs, the one-step-ahead launch): tokens/s,
              and the reference outputs; then the (batch, 1) graph replayed alone: decode ms
   sync       per batch, the same prompts with speculation off per request on a speculating engine:
@@ -20,15 +25,20 @@ k3trt delivers for a model whose drafts are accepted at rate α. One process:
   sweep      per K an engine with the oracle drafter; per batch, drafting cost and α: tokens/s
              against plain at the same batch. Drafting costs: ``free`` (the oracle alone: the
              engine's ceiling) and ``mtp`` (the runtime's MTPDrafter on the target's MTP layer run
-             on every propose, with its hidden-state hand-over, its tokens discarded). After each
-             batch the (batch, K+1) verify graph replayed alone: verify ms
+             on every propose, with its hidden-state hand-over, its tokens discarded; with its
+             reduced draft vocabulary, --mtp-draft-vocab, and CUDA graphs where the runtime has
+             them, else the record's notes say it ran without). After each batch the (batch, K+1)
+             verify graph replayed alone: verify ms
 
 Columns: draft ms per token (host wall of propose, device work synchronised), verify ms and its
 ratio to decode ms, the verify graph (plain rows: the decode graph) against its roofline
-(roofline.py: bytes / copy bandwidth or flops / GEMM rate, the ceilings of this run), host ms exposed (step - draft - verify: the GPU waits) and hidden (the sync
-step's host work less the exposed part; an estimate), the ceiling ``ideal×`` = E[tokens per
-step] × decode ms / verify ms (free drafts, no host time; E = Σ_{i≤K} α^i) and the measured
-speedup's share of it. A verify step may take another argmax than plain decoding where two
+(roofline.py: bytes / copy bandwidth or flops / GEMM rate, the ceilings of this run), host ms
+exposed (step - draft - verify: the GPU waits) and hidden (the sync step's host work less the
+exposed part; an estimate), the ceiling ``ideal×`` = E[tokens per step] × decode ms / verify ms
+(free drafts, no host time; E = Σ_{i≤K} α^i) and the measured speedup's share of it, and ``k3×``:
+a model, not a measurement, of the speedup at K3's 93 layers (spec_report.k3_model: decode and
+verify ms scaled by 93 / layers, draft and host ms as measured; the preset's one MTP layer is
+~1/24 of its step, K3's ~1/93). A verify step may take another argmax than plain decoding where two
 logits are within bf16 rounding; the request then leaves its reference and the oracle stops
 drafting for it, so such a case runs again (up to --reruns times) with its own outputs as those
 requests' references (same drafts, same steps, same numerics). Every run's output is compared
@@ -41,42 +51,32 @@ sweep. Plot: PNG beside the JSON when matplotlib imports.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
 from harness import best_s, cpu_ceilings, machine, measure, median_ms, record, write_json
 from oracle import OracleDrafter
 from roofline import Sizes, roofline
-from spec_report import goals, plot, report
+from spec_engines import engine, fitting_batches, mtp_drafter, settle
+from spec_report import goals, k3_model, plot, report
 
 from k3trt.config import ModelConfig
 from k3trt.engine.build_config import BuildConfig
-from k3trt.engine.capacities import Capacities
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config
 from k3trt.model.weights import init_random_
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from k3trt.runtime.speculative.mtp import MTPDrafter
 
 log = logging.getLogger("spec_speedup")
 VOCAB = 129408          # the tokenizer's vocabulary rounded up, as make_checkpoint makes it
-BLOCK = 64
 
 
 # ------------------------------------------------------------------------------ engines and runs
-def make_llm(model, a, *, k: int = 0, drafter=None) -> LLM:
-    caps = Capacities.plan(max_batch=max(a.batches), max_num_tokens=a.max_num_tokens, spec_tokens=k,
-                           verify=sorted(set(a.batches)))
-    build = BuildConfig(dtype=a.dtype, block_size=BLOCK, max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len)
-    return LLM.from_model(model, build=build, capacities=caps, prefix_caching=False, spec_tokens=k or None,
-                          drafter=drafter, cuda_graphs=True, kv_cache_memory=a.kv_cache_mb << 20)
-
-
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(16, vocab - 16, (n, length), generator=g).tolist()
@@ -150,8 +150,16 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 # ------------------------------------------------------------------------------ the run
 class Run:
-    def __init__(self, args, doc: dict):
-        self.args, self.doc, self.t0 = args, doc, time.perf_counter()
+    def __init__(self, args, doc: dict, base_bytes: int = 0):
+        """base_bytes: device memory allocated before any engine (the model): what each closed
+        engine must leave."""
+        self.args, self.doc, self.t0, self.base_bytes = args, doc, time.perf_counter(), base_bytes
+        self.last_engine: weakref.ref | None = None
+
+    def skip(self, name: str, why: str, **meta) -> None:
+        log.warning("%s skipped: %s", name, why)
+        self.doc["cases"].append({"name": name, **meta, "skipped": why})
+        self.save()
 
     def save(self) -> None:
         write_json(self.args.json, self.doc)
@@ -183,9 +191,11 @@ class Run:
 def plain_cases(run: Run, model, ps: dict) -> dict[int, dict]:
     """Plain decoding per batch: the baseline rows (with their outputs, the oracle's references)."""
     a, base = run.args, {}
-    llm = make_llm(model, a)
-    try:
-        for b in a.batches:
+    batches = fitting_batches(run, model.cfg, 0)
+    if not batches:
+        return base
+    with engine(run, model, 0, batches) as llm:
+        for b in batches:
             drive(llm, ps[b], 4)          # warm-up: shapes, kernels
 
             def plain(b=b):
@@ -198,8 +208,6 @@ def plain_cases(run: Run, model, ps: dict) -> dict[int, dict]:
             row = run.case(f"plain b{b}", plain, kind="plain", batch=b)
             if row and "error" not in row:
                 base[b] = row
-    finally:
-        free(llm)
     return base
 
 
@@ -213,44 +221,54 @@ def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
         if run.over_budget():
             run.doc["errors"].append(f"K={k}: past the {a.budget_s}s budget")
             continue
-        llm = None
+        batches = [b for b in fitting_batches(run, cfg, k) if b in base]
+        if not batches:
+            continue
         try:
-            llm = make_llm(model, a, k=k, drafter=oracle)
-            mtp = MTPDrafter(model, cfg, k_max=k, max_live=max(a.batches), max_model_len=llm.max_model_len,
-                             block_size=llm.cache.block_size) if "mtp" in a.costs else None
-            for b in a.batches:
-                if b not in base:
-                    continue
-                if b not in host_sync:      # speculation off per request: synchronous q = 1 steps
-                    drive(llm, ps[b], 4, speculate=False)                      # warm-up
-                    r = drive(llm, ps[b], a.max_tokens, speculate=False)
-                    host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
-                    base[b]["host_sync_ms"] = host_sync[b]
-                    base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
-                rows = []
-                for cost in a.costs:
-                    oracle.configure(alpha=1.0, cost=mtp if cost == "mtp" else None)
-                    drive(llm, ps[b], 2 * k + 2)      # warm-up (the oracle knows only these prompts)
-                    for alpha in a.alphas:
-                        def spec(b=b, k=k, alpha=alpha, cost=cost):
-                            oracle.configure(alpha=alpha, seed=a.seed, cost=mtp if cost == "mtp" else None)
-                            return measure_case(llm, oracle, ps[b], base[b], k, alpha, a.max_tokens, a.reruns)
-                        row = run.case(f"K{k} b{b} {cost} a{alpha}", spec, kind="spec", spec_tokens=k, batch=b,
-                                       cost=cost, alpha=alpha)
-                        if row and "error" not in row:
-                            rows.append(row)
-                verify, roof = step_ms(llm, b, k + 1), roofline_ms(run, model, b, k + 1)
-                for row in rows:            # the verify step alone, as the batch last ran it
-                    finish_row(row, verify, base[b]["decode_ms"], host_sync[b])
-                    row["verify_roofline_ms"] = roof
-                    row["verify_vs_roofline"] = row["graph_vs_roofline"] = _ratio(verify, roof)
-                run.save()
+            sweep_engine(run, model, oracle, k, batches, ps, base, host_sync)
         except Exception as e:
             log.error("K=%d engine: %s: %s", k, type(e).__name__, e)
             run.doc["errors"].append(f"K={k} engine: {type(e).__name__}: {e}")
         finally:
             oracle.configure(alpha=1.0, cost=None)
-            free(llm)
+
+
+def sweep_engine(run: Run, model, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
+                 base: dict[int, dict], host_sync: dict) -> None:
+    with engine(run, model, k, batches, drafter=oracle) as llm:
+        sweep_batches(run, model, llm, oracle, k, batches, ps, base, host_sync)
+
+
+def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
+                  base: dict[int, dict], host_sync: dict) -> None:
+    a = run.args
+    mtp = mtp_drafter(run, model, llm, k, max(batches)) if "mtp" in a.costs else None
+    for b in batches:
+        if b not in host_sync:      # speculation off per request: synchronous q = 1 steps
+            drive(llm, ps[b], 4, speculate=False)                      # warm-up
+            r = drive(llm, ps[b], a.max_tokens, speculate=False)
+            host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
+            base[b]["host_sync_ms"] = host_sync[b]
+            base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
+        rows = []
+        for cost in a.costs:
+            oracle.configure(alpha=1.0, cost=mtp if cost == "mtp" else None)
+            drive(llm, ps[b], 2 * k + 2)      # warm-up (the oracle knows only these prompts)
+            for alpha in a.alphas:
+                def spec(b=b, alpha=alpha, cost=cost):
+                    oracle.configure(alpha=alpha, seed=a.seed, cost=mtp if cost == "mtp" else None)
+                    return measure_case(llm, oracle, ps[b], base[b], k, alpha, a.max_tokens, a.reruns)
+                row = run.case(f"K{k} b{b} {cost} a{alpha}", spec, kind="spec", spec_tokens=k, batch=b,
+                               cost=cost, alpha=alpha)
+                if row and "error" not in row:
+                    rows.append(row)
+        verify, roof = step_ms(llm, b, k + 1), roofline_ms(run, model, b, k + 1)
+        for row in rows:            # the verify step alone, as the batch last ran it
+            finish_row(row, verify, base[b]["decode_ms"], host_sync[b])
+            row["verify_roofline_ms"] = roof
+            row["verify_vs_roofline"] = row["graph_vs_roofline"] = _ratio(verify, roof)
+        run.save()
+    oracle.configure(alpha=1.0, cost=None)      # the oracle outlives the engine: drop its MTP drafter
 
 
 def measure_case(llm: LLM, oracle: OracleDrafter, ps: list, base: dict, k: int, alpha: float, max_tokens: int,
@@ -301,14 +319,6 @@ def _hidden(host_sync, exposed):
     return round(max(0.0, host_sync - exposed), 4) if host_sync is not None and exposed is not None else None
 
 
-def free(llm: LLM | None) -> None:
-    if llm is not None:
-        llm.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ------------------------------------------------------------------------------ main
 def parse(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -325,10 +335,17 @@ def parse(argv: list[str] | None):
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-num-tokens", type=int, default=8192)
     ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--kv-cache-mb", type=int, default=20480,
-                    help="per engine; the spec preset's KDA states at batch 32, K=5 take ~17 GiB")
-    ap.add_argument("--budget-s", type=int, default=400, help="skip cases that would start after this")
+    ap.add_argument("--kv-cache-mb", type=int, default=None,
+                    help="cap on each engine's exactly sized cache (default: free memory after the model less "
+                         "--reserve-mb); a batch whose cache exceeds it at some K is skipped there and says so")
+    ap.add_argument("--reserve-mb", type=int, default=8192, help="left free for graphs, activations, the MTP drafter")
+    ap.add_argument("--budget-s", type=int, default=None,
+                    help="skip cases that would start after this (default 330, --quick 90: whole runs < 7 / 2.5 min)")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
+    ap.add_argument("--mtp-draft-vocab", type=int, default=32768,
+                    help="the MTP drafter's reduced vocabulary (0: the full head), where the runtime has one")
+    ap.add_argument("--mtp-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="the MTP drafter's CUDA graphs (default: the runtime's choice), where the runtime has them")
     ap.add_argument("--breakdown", action="store_true", help="verify vs decode per op at batch 1 (spec_breakdown.py)")
     ap.add_argument("--breakdown-k", type=int, default=3)
     ap.add_argument("--breakdown-ctx", type=int, default=256, help="cached tokens before the profiled step")
@@ -337,6 +354,8 @@ def parse(argv: list[str] | None):
     args = ap.parse_args(argv)
     if args.quick:
         args.ks, args.alphas, args.batches, args.max_tokens = "1,3", "0.8,1.0", "1,32", 32
+    if args.budget_s is None:
+        args.budget_s = 90 if args.quick else 330
     if args.device == "cpu":            # a smoke run: small batches, short prompts and outputs
         args.batches, args.max_tokens, args.prompt_len, args.max_num_tokens, args.kv_cache_mb = "1,4", 12, 16, 256, 256
         args.breakdown_ctx = 16
@@ -345,6 +364,8 @@ def parse(argv: list[str] | None):
     args.alphas, args.ks, args.batches = floats(args.alphas), [int(x) for x in floats(args.ks)], \
         [int(x) for x in floats(args.batches)]
     args.costs = [c for c in args.costs.split(",") if c]
+    if args.mtp_draft_vocab >= args.vocab:      # small test vocabularies: a quarter of them
+        args.mtp_draft_vocab = args.vocab // 4
     if set(args.costs) - {"free", "mtp"}:
         ap.error(f"--costs takes free and mtp, got {args.costs}")
     args.dtype = "bf16" if torch.device(args.device).type == "cuda" else "fp32"
@@ -359,7 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     doc = record(__file__, argv, note="random weights; acceptance set by the oracle drafter (benchmarks/oracle.py): "
                  "the target's own greedy continuation, each position replaced with probability 1 - alpha",
                  machine=machine(device), preset=a.preset, dtype=a.dtype,
-                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}, cases=[], errors=[])
+                 settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+                 cases=[], errors=[], notes=[])
     doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     t0 = time.perf_counter()
     cfg = ModelConfig.from_dict(preset_config(a.preset, a.vocab))
@@ -370,7 +392,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "mtp_layers": cfg.num_nextn_predict_layers, "experts": cfg.num_experts,
                     "top_k": cfg.num_experts_per_token, "init_s": round(time.perf_counter() - t0, 2)}
     log.info("model: %.2fB parameters on %s in %.1fs", doc["model"]["params"] / 1e9, device, doc["model"]["init_s"])
-    run = Run(a, doc)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()        # the ceilings' buffers: free memory is what engines can have
+    if a.kv_cache_mb is None:
+        a.kv_cache_mb = (torch.cuda.mem_get_info(device)[0] >> 20) - a.reserve_mb if device.type == "cuda" else 1024
+        doc["settings"]["kv_cache_mb"] = a.kv_cache_mb
+    log.info("engine caches capped at %d MiB each", a.kv_cache_mb)
+    run = Run(a, doc, base_bytes=torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
     if a.breakdown:
         import spec_breakdown  # noqa: PLC0415 (only this mode)
         doc["breakdown"] = spec_breakdown.run(model, a.breakdown_k, device, ctx=a.breakdown_ctx,
@@ -381,8 +409,10 @@ def main(argv: list[str] | None = None) -> dict:
     ps = {b: prompts(b, a.prompt_len, cfg.vocab_size, b) for b in a.batches}
     base = plain_cases(run, model, ps)
     sweep(run, model, ps, base)
+    settle(run)
     for c in doc["cases"]:
         c.pop("outputs", None)
+    k3_model(doc["cases"], cfg.num_hidden_layers)
     doc["goals"] = goals(doc["cases"])
     run.save()
     report(doc)

@@ -154,9 +154,14 @@ def plan_cache(cfg: ModelConfig, *, budget_bytes: int, block_size: int, max_live
         left = budget_bytes - (max_live + num_checkpoints) * per_slot
         num_blocks = max(0, min(left // max(per_block, 1), max_live * need_one + num_checkpoints * 4))
     if num_blocks < need_one:
+        slots = (max_live + num_checkpoints) * per_slot
+        states = (f"; the KDA states of {max_live + num_checkpoints} slots ({1 + max_q} states each) "
+                  f"take {slots / 2**30:.2f} GiB of the {budget_bytes / 2**30:.2f} GiB budget, lower the batch or K"
+                  if num_blocks == 0 and slots >= budget_bytes else "")
         raise ValueError(
             f"the cache holds {num_blocks} blocks of {block_size} tokens but one request of max_model_len "
-            f"{max_model_len} needs {need_one}: raise the memory budget (kv_cache_memory) or lower max_model_len")
+            f"{max_model_len} needs {need_one}: raise the memory budget (kv_cache_memory) or lower max_model_len"
+            f"{states}")
     plan = CachePlan(block_size, int(num_blocks), max_live, num_checkpoints, per_block, per_slot)
     log.info("cache plan: %d MLA blocks x %d tokens, %d KDA slots (+%d checkpoints), %.1f MiB",
              plan.num_blocks, block_size, max_live, num_checkpoints, plan.total_bytes / 2**20)

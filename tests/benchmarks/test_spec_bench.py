@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,7 +107,8 @@ def test_spec_speedup_cpu_smoke(tmp_path):
     printed = run_script("benchmarks/spec_speedup.py", "--device", "cpu", "--preset", "tiny", "--quick",
                          "--vocab", "1024", "--json", str(out), timeout=300)
     doc = json.loads(out.read_text())
-    assert not doc["errors"] and "K3 b1 mtp a0.8" in printed
+    assert not doc["errors"] and "K3 b1 mtp a0.8" in printed      # errors: also an engine outliving its run
+    assert "at K3's 93 layers" in printed
     spec = [c for c in doc["cases"] if c["kind"] == "spec"]
     assert {(c["spec_tokens"], c["batch"], c["cost"], c["alpha"]) for c in spec} == \
         {(k, b, c, a) for k in (1, 3) for b in (1, 4) for c in ("free", "mtp") for a in (0.8, 1.0)}
@@ -115,7 +117,7 @@ def test_spec_speedup_cpu_smoke(tmp_path):
         assert c["tokens_per_s"] > 0 and "outputs" not in c
     for c in spec:
         assert c["exact"] and c["diverged"] == c["reruns"] == c["differ_from_plain"] == 0
-        assert c["verify_ms"] > 0 and c["ideal_speedup"] > 0
+        assert c["verify_ms"] > 0 and c["ideal_speedup"] > 0 and c["k3_model_speedup"] > 0
         if c["alpha"] == 1.0:
             assert c["alpha_measured"] == 1.0
     assert set(doc["goals"]) == {"b1_K3_a0.8_mtp_2.5x", "b1_K3_a1.0_mtp_3.2x", "b32_K3_a0.8_mtp_1.5x",
@@ -133,6 +135,39 @@ def test_spec_breakdown_cpu_smoke(tmp_path):
     assert {"kda", "mla", "moe experts", "moe router", "lm_head", "other"} <= set(parts)
     assert all(parts["moe experts"][s] > 0 for s in ("decode", "verify", "verify-same"))
     assert r["moe_expert_count_ms"] == pytest.approx(r["step_ms"]["verify"] - r["step_ms"]["verify-same"], abs=1e-3)
+    assert r["goal"]["ratio"] == r["verify_vs_decode"] and r["goal"]["ratio_same_experts"] == r["verify_same_vs_decode"]
+    assert "without the MoE expert-count effect" in printed
+    gemms = {g["gemm"]: g for g in r["router_gemms"]}
+    assert gemms["fp32 x @ w.T (moe.Router)"]["max_diff"] == 0.0 and gemms["fp32 x @ w.T (moe.Router)"]["ms_3"] > 0
+    assert "error" in gemms["bf16 mm, fp32 out (CUDA)"]          # no CPU kernel: a row saying so, not a crash
+
+
+def test_breakdown_names_the_part_that_launched_each_kernel():
+    import spec_breakdown  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    ev = lambda name, parent=None, kernels=(): SimpleNamespace(name=name, cpu_parent=parent,  # noqa: E731
+                                                               kernels=[SimpleNamespace(name=k) for k in kernels])
+    router = ev("moe router")
+    mm = ev("aten::mm", ev("aten::matmul", router), ["cutlass_80_simt_sgemm_64x64", "splitKreduce_kernel"])
+    loose = ev("aten::copy_", None, ["elementwise_kernel"])
+    got = spec_breakdown.kernel_parts([router, mm, loose], {"moe router", "kda"})
+    assert got == {"cutlass_80_simt_sgemm_64x64": "moe router", "splitKreduce_kernel": "moe router",
+                   "elementwise_kernel": "other"}
+    assert "router" in spec_breakdown.why("void cutlass::Kernel2<cutlass_80_simt_sgemm_64x64_8x5_tn_align1>")
+    assert spec_breakdown.why("nvjet_sm90_tst_128x8") == ""
+
+
+def test_batches_whose_cache_does_not_fit_are_skipped_with_the_reason(tiny_model):
+    import spec_engines  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    import spec_speedup  # noqa: PLC0415
+    cfg, _ = tiny_model
+    a = spec_speedup.parse(["--device", "cpu", "--batches", "1,4"])
+    one = spec_engines.cache_plan(cfg, a, 3, [1]).total_bytes
+    assert spec_engines.cache_plan(cfg, a, 3, [1, 4]).total_bytes > one > spec_engines.cache_plan(cfg, a, 0, [1]).total_bytes
+    a.kv_cache_mb = -(-one // 2**20)         # room for batch 1 at K = 3, not batch 4
+    doc = {"cases": [], "errors": []}
+    run = spec_speedup.Run(a, doc)
+    assert spec_engines.fitting_batches(run, cfg, 3) == [1]
+    assert [(c["name"], c["batch"]) for c in doc["cases"]] == [("K3 b4", 4)] and "GiB" in doc["cases"][0]["skipped"]
 
 
 @pytest.mark.slow
@@ -162,8 +197,11 @@ def test_spec_benchmarks_gpu_smoke(tmp_path):
     assert not doc["errors"] and all("error" not in c for c in doc["cases"])
     assert all(c["verify_ms"] > 0 for c in doc["cases"] if c["kind"] == "spec")
     run_script("benchmarks/spec_speedup.py", *tiny, "--breakdown", "--json", str(tmp_path / "b.json"), timeout=600)
-    parts = {p["part"]: p for p in json.loads((tmp_path / "b.json").read_text())["breakdown"]["parts"]}
+    r = json.loads((tmp_path / "b.json").read_text())["breakdown"]
+    parts = {p["part"]: p for p in r["parts"]}
     assert parts["moe experts"]["decode"] > 0 and parts["kda"]["verify"] > 0
+    assert any(k["part"] not in ("?", "other") for k in r["kernels_grown"])
+    assert r["router_gemms"][0]["ms_1"] > 0 and r["router_gemms"][0]["max_diff"] == 0.0
     run_script("benchmarks/train_draft.py", "--device", "cuda", "--steps", "5", "--tiny", "--json",
                str(tmp_path / "t.json"), timeout=600)
     cases = {c["name"]: c for c in json.loads((tmp_path / "t.json").read_text())["cases"]}

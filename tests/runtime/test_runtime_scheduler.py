@@ -183,6 +183,11 @@ def test_plan_cache():
     with pytest.raises(ValueError, match="max_model_len"):
         plan_cache(cfg, budget_bytes=1 << 16, block_size=16, max_live=4, max_model_len=4096,
                    kv_dtype=torch.bfloat16, state_dtype=torch.float32)
+    slots = plan_cache(cfg, budget_bytes=1 << 20, block_size=16, max_live=4, max_model_len=64, kv_dtype=torch.bfloat16,
+                       state_dtype=torch.float32, max_q=4).bytes_per_slot * 4
+    with pytest.raises(ValueError, match=r"KDA states of 4 slots \(5 states each\).*lower the batch or K"):
+        plan_cache(cfg, budget_bytes=slots - 1, block_size=16, max_live=4, max_model_len=64,
+                   kv_dtype=torch.bfloat16, state_dtype=torch.float32, max_q=4)
 
 
 @pytest.mark.parametrize("seed", range(4))
