@@ -129,6 +129,8 @@ def build_plugins_cmd(arch: str, force: bool) -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp | layerskip:N")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
+              help="per-request K from its recent acceptance, up to --spec-tokens")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="constrain the output to this JSON schema (a file)")
 @click.option("--regex", default=None, help="constrain the output to this regular expression")
@@ -136,14 +138,14 @@ def build_plugins_cmd(arch: str, force: bool) -> None:
               help="constrain the output to this EBNF grammar (a file; root rule `root`)")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
-def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
-            regex, grammar, device, as_json) -> None:
+def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, adaptive_k,
+            json_schema, regex, grammar, device, as_json) -> None:
     """Generate from ENGINE_DIR."""
     from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                  device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
-                  regex=regex, grammar=grammar)
+                  device=device, speculative=speculative, spec_tokens=spec_tokens, adaptive_k=adaptive_k,
+                  json_schema=json_schema, regex=regex, grammar=grammar)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
@@ -166,8 +168,10 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
+              help="per-request K from its recent acceptance, up to --spec-tokens")
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
-              speculative, spec_tokens) -> None:
+              speculative, spec_tokens, adaptive_k) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"max_batch": max_batch} if max_batch else {}
@@ -175,6 +179,8 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["speculative"] = speculative
     if spec_tokens is not None:
         opts["spec_tokens"] = spec_tokens
+    if not adaptive_k:
+        opts["adaptive_k"] = False
     try:
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
                    max_queue=max_queue, engine_options=opts,

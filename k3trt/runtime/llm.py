@@ -72,6 +72,7 @@ class EngineOptions:
     seed: int = 0                         # draws the seeds of requests that bring none
     speculative: str = "none"             # none | ngram | draft:CKPT_DIR | mtp
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
+    adaptive_k: bool = True               # per-request K from its acceptance (adaptive_k.py); False: always K
     cuda_graphs: bool | None = None       # decode/verify steps as CUDA graphs; None: on CUDA in bf16/fp16
                                           # (True off CUDA: the padded static steps, uncaptured)
 
@@ -142,7 +143,8 @@ class LLM:
         drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
                                target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
                                sample_drafts=True, graphs=graphs) if k else NoDrafter()
-        self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
+        self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
+                               adaptive=opts.adaptive_k)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer, self.eos_ids = _load_tokenizer(tokenizer_dir)
@@ -230,8 +232,9 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: steps, preemptions, generated tokens, capacity hits, cache usage, and
-        speculative decoding (method, K, verify steps with drafts, drafted / accepted tokens,
-        acceptance rate, mean accepted length, accepted-length histogram)."""
+        speculative decoding (method, K, adaptive K on, verify steps with drafts, drafted / accepted
+        tokens, acceptance rate, mean accepted length, accepted-length histogram, K used: mean and
+        histogram over (request, step))."""
         return self.loop.stats()
 
 

@@ -20,12 +20,14 @@ request's limit or outside the vocabulary are cut there.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from k3trt.runtime import sampling
+from k3trt.runtime.adaptive_k import AdaptiveK, k_used_stats, next_k, update
 from k3trt.runtime.request import Request
 from k3trt.runtime.step import Rows
 from k3trt.runtime.speculative import (AcceptanceStats, Accepted, DraftInput, Drafter, NoDrafter, accept_greedy,
@@ -45,12 +47,15 @@ class Verdict:
 
 
 class Speculator:
-    """The engine's drafter, K, and the aggregate acceptance counters."""
+    """The engine's drafter, K, the per-request draft length (adaptive_k.py), and the aggregate
+    acceptance counters."""
 
-    def __init__(self, drafter: Drafter, k: int, *, vocab_size: int, max_model_len: int):
+    def __init__(self, drafter: Drafter, k: int, *, vocab_size: int, max_model_len: int, adaptive: bool = True):
         self.drafter, self.k, self.vocab_size, self.max_model_len = drafter, k, vocab_size, max_model_len
         self.enabled = not isinstance(drafter, NoDrafter) and k > 0
+        self.adaptive = AdaptiveK(k_max=max(k, 1), enabled=adaptive)
         self.stats = AcceptanceStats()
+        self.k_used: Counter = Counter()       # K asked for -> (request, step) pairs
 
     @property
     def needs_hidden(self) -> bool:
@@ -62,8 +67,14 @@ class Speculator:
         return self.enabled and req.params.speculative and req.params.max_tokens > 1
 
     def limit(self, req: Request) -> int:
-        """Most drafts for the request's next step: n accepted + 1 must fit its room (Request.room)."""
-        return max(0, min(self.k, req.room(self.max_model_len) - 1))
+        """Drafts for the request's next step (its controller's K_r, within room - 1: n accepted + 1
+        must fit Request.room); counted in the K-used stats. Called once per step per request."""
+        if req.adaptive is None:
+            req.adaptive = self.adaptive.start()
+        k, req.adaptive = next_k(req.adaptive, self.adaptive, req.room(self.max_model_len))
+        req.stats.k_used[k] += 1
+        self.k_used[k] += 1
+        return k
 
     # ------------------------------------------------------------------------ draft
     def draft(self, reqs: Sequence[Request], fault: Fault) -> None:
@@ -134,6 +145,8 @@ class Speculator:
     # ------------------------------------------------------------------------ stats
     def record(self, req: Request, v: Verdict) -> None:
         if v.num_drafts:
+            if req.adaptive is not None:
+                req.adaptive = update(req.adaptive, self.adaptive, v.num_drafts, v.num_accepted)
             s = req.stats
             s.drafted += v.num_drafts
             s.accepted += v.num_accepted
@@ -142,7 +155,9 @@ class Speculator:
             self.stats.add(Accepted([v.num_accepted], [v.tokens], [v.num_drafts]))
 
     def to_dict(self) -> dict:
-        return {"method": self.drafter.name, "spec_tokens": self.k if self.enabled else 0, **self.stats.to_dict()}
+        return {"method": self.drafter.name, "spec_tokens": self.k if self.enabled else 0,
+                "adaptive_k": self.enabled and self.adaptive.enabled, **self.stats.to_dict(),
+                **k_used_stats(self.k_used)}
 
 
 def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,
