@@ -5,8 +5,9 @@ runtime"):
   mask      GrammarRuntime.cut_drafts: drafts cut at the first token a grammar refuses (then refit)
   forward   step.run_plan launches the step; prefill chunks that do not complete are committed;
             meanwhile on the host GrammarRuntime.fill / apply mask the guided rows
-  ahead     plain greedy decoding launches the next step before this one's tokens reach the host
-            (lookahead.py; the loop holds it through ``Lookahead``)
+  ahead     decoding whose next tokens are chosen on the device (greedy or seeded sampling, no
+            grammar, processors or penalties) launches the next step before this one's tokens reach
+            the host (lookahead.py; the loop holds it through ``Lookahead``)
   accept    spec_step.decide: processors, penalties, greedy or stochastic acceptance -> Verdicts
   commit    Request.block_end (EOS, stop ids, max_tokens, max_model_len: request.py is the one place
             that decides), the grammar's commit, Request.append_token (stop strings); KDA rollback
@@ -34,7 +35,7 @@ import torch
 from k3trt.runtime import sampling
 from k3trt.runtime.engine import EngineSession
 from k3trt.runtime.kv_cache import CacheManager
-from k3trt.runtime.lookahead import ArgmaxOnHost, Lookahead
+from k3trt.runtime.lookahead import Lookahead, NextTokens
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import FinishReason, Request, RequestOutput, Status, new_request
 from k3trt.runtime.scheduler import Scheduler, StepPlan
@@ -135,13 +136,13 @@ class StepLoop:
             if scheduled is None:
                 return self.emit()
             plan, out = scheduled
-        argmax = None
+        chosen = None
         if self.lookahead.eligible(plan, waiting=bool(self.scheduler.waiting)):
-            # the next step starts from this one's argmax on the device; this one's tokens are
-            # read (and committed) while it runs
-            argmax = ArgmaxOnHost(out.logits)
+            # the next step starts from this one's tokens chosen on the device; they are read
+            # (and committed) while it runs
+            chosen = NextTokens(out.logits, out.rows)
             try:
-                nxt = self.lookahead.launch(plan, argmax)
+                nxt = self.lookahead.launch(plan, chosen)
             except Exception as e:   # this step's tokens still commit; the next step is scheduled normally
                 log.warning("launching the next step ahead failed (%s: %s); stepping synchronously",
                             type(e).__name__, e)
@@ -149,7 +150,7 @@ class StepLoop:
             if nxt is not None:
                 self.count_step(nxt.plan)
                 self.counters["launched_ahead"] += 1
-        self.commit(out.rows, out.logits, argmax.tolist() if argmax is not None else None)
+        self.commit(out.rows, out.logits, chosen.tolist() if chosen is not None else None)
         return self.emit()
 
     def _schedule_and_forward(self) -> tuple[StepPlan, StepOutput] | None:
@@ -206,10 +207,11 @@ class StepLoop:
                 self.counters["capacity_hits"][kind][cap] += 1
 
     # ---------------------------------------------------------------------------- accept + commit
-    def commit(self, rows: list[Rows], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
-        """Acceptance for every request of the step, then each one's commit; the KDA states of
-        requests that kept fewer rows than they verified roll back in one call."""
-        verdicts = decide([r for r in rows if not r.req.finished], logits, self.fault, argmax)
+    def commit(self, rows: list[Rows], logits: torch.Tensor, chosen: list[int] | None = None) -> None:
+        """Acceptance for every request of the step, then each one's commit (`chosen`: every row's
+        token, already chosen on the device); the KDA states of requests that kept fewer rows than
+        they verified roll back in one call."""
+        verdicts = decide([r for r in rows if not r.req.finished], logits, self.fault, chosen)
         slots, positions = [], []
         for r in rows:
             req = r.req

@@ -161,15 +161,16 @@ class Speculator:
 
 
 def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,
-           argmax: list[int] | None = None) -> dict[int, Verdict]:
+           chosen: list[int] | None = None) -> dict[int, Verdict]:
     """Acceptance for every request of the step (keyed by id(req)); logits [R, V] fp32 are the
-    step's rows, already masked by grammars; `argmax`, when given, is their argmax, already on the
-    host. A fault in one request's processors ends only it."""
+    step's rows, already masked by grammars; `chosen`, when given, is every row's token already
+    chosen on the device and copied to the host (lookahead.NextTokens: the argmax, or the request's
+    draw: it is not drawn again). A fault in one request's processors ends only it."""
     out: dict[int, Verdict] = {}
     plain = [r for r in rows if r.req.params.plain]
     if plain:      # argmax only: one batched argmax and one batched acceptance
         # every row (the few non-plain ones too): one sync
-        best = logits.argmax(-1).tolist() if argmax is None else argmax
+        best = logits.argmax(-1).tolist() if chosen is None else chosen
         d, nd = pad_drafts([r.req.drafts for r in plain])
         width = d.shape[1] + 1
         target = torch.tensor([best[r.row0:r.row0 + r.num] + [0] * (width - r.num) for r in plain],
@@ -181,18 +182,21 @@ def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,
         if id(r.req) in out:
             continue
         try:
-            out[id(r.req)] = _decide_one(r, logits[r.row0:r.row0 + r.num])
+            out[id(r.req)] = _decide_one(r, logits[r.row0:r.row0 + r.num],
+                                         None if chosen is None else chosen[r.row0])
         except Exception as e:
             fault(r.req, f"sampling failed: {type(e).__name__}: {e}")
     return out
 
 
-def _decide_one(r: Rows, rows: torch.Tensor) -> Verdict:
+def _decide_one(r: Rows, rows: torch.Tensor, chosen: int | None = None) -> Verdict:
+    """One request's verdict; `chosen`: its token, already chosen on the device (a row without drafts)."""
     req, p = r.req, r.req.params
     x = sampling.process(rows, p, req.token_ids, req.num_prompt, req.drafts)
-    if not req.drafts:         # plain decoding: exactly sampling.sample's draw
-        t = x.argmax(-1) if p.greedy else sampling.draw(sampling.probs(x, p), req.generator)
-        tokens, n, nd = t.tolist(), 0, 0
+    if chosen is not None and not req.drafts:
+        tokens, n, nd = [chosen], 0, 0
+    elif not req.drafts:         # plain decoding: exactly sampling.sample's draw
+        tokens, n, nd = sampling.choose(x, p, req.generator).tolist(), 0, 0
     else:
         d, num = pad_drafts([req.drafts], device=x.device)
         if p.greedy:
