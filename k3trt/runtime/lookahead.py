@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3trt.runtime import sampling
+from k3trt.runtime import sampling, spec_ahead
 from k3trt.runtime.engine import EngineSession, Seq, make_batch
 from k3trt.runtime.graphs import GraphSession
 from k3trt.runtime.kv_cache import CacheManager
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.request import Request, Status
 from k3trt.runtime.scheduler import StepPlan
+from k3trt.runtime.spec_ahead import DeviceDrafter, SpecLaunch
 from k3trt.runtime.step import Rows, StepOutput
 
 
@@ -58,6 +59,10 @@ class Launched:
 
     def holds(self, req: Request) -> bool:
         return id(req) in self.ids
+
+    def rows(self, req: Request) -> int:
+        """Rows this step writes for `req` past its committed tokens (0: none)."""
+        return int(self.holds(req))
 
 
 def chosen_on_device(p: SamplingParams) -> bool:
@@ -98,7 +103,7 @@ class Lookahead:
     def __init__(self, session: EngineSession, cache: CacheManager, *, speculating: bool, checkpoints: bool):
         self.session, self.cache, self.checkpoints = session, cache, checkpoints
         self.possible = isinstance(session, GraphSession) and not speculating
-        self.launched: Launched | None = None
+        self.launched: Launched | SpecLaunch | None = None
 
     def eligible(self, plan: StepPlan, *, waiting: bool) -> bool:
         """The step after `plan` can be launched before `plan`'s tokens are committed (module doc);
@@ -118,14 +123,20 @@ class Lookahead:
         self.launched = launch_ahead(self.session, self.cache, plan, nxt)
         return self.launched
 
-    def take(self) -> Launched | None:
+    def launch_spec(self, drafter: DeviceDrafter, plan: StepPlan, out: StepOutput, k: list[int]) -> SpecLaunch | None:
+        """Launch the verify step after the verify step `plan` on the device's verdict of it and hold
+        it (spec_ahead.py; None: a block was not free)."""
+        self.launched = spec_ahead.launch(self.session, drafter, self.cache, plan, out, k)
+        return self.launched
+
+    def take(self) -> Launched | SpecLaunch | None:
         """The launched step, handed over to be finished (and no longer held)."""
         out, self.launched = self.launched, None
         return out
 
-    def holds(self, req: Request) -> bool:
-        """The launched step writes a row for `req` (so its next position's block must stay)."""
-        return self.launched is not None and self.launched.holds(req)
+    def reserve(self, req: Request) -> int:
+        """Rows the launched step writes for `req` past what it commits now (their blocks must stay)."""
+        return 0 if self.launched is None else self.launched.rows(req)
 
 
 def launch_ahead(session: EngineSession, cache: CacheManager, plan: StepPlan,

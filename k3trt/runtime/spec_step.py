@@ -66,12 +66,13 @@ class Speculator:
         has nothing to draft for, so the drafter never tracks it."""
         return self.enabled and req.params.speculative and req.params.max_tokens > 1
 
-    def limit(self, req: Request) -> int:
+    def limit(self, req: Request, ahead: int = 0) -> int:
         """Drafts for the request's next step (its controller's K_r, within room - 1: n accepted + 1
-        must fit Request.room); counted in the K-used stats. Called once per step per request."""
+        must fit Request.room); counted in the K-used stats. Called once per step per request;
+        `ahead`: tokens a step not yet committed emits at least (spec_ahead.py)."""
         if req.adaptive is None:
             req.adaptive = self.adaptive.start()
-        k, req.adaptive = next_k(req.adaptive, self.adaptive, req.room(self.max_model_len))
+        k, req.adaptive = next_k(req.adaptive, self.adaptive, req.room(self.max_model_len) - ahead)
         req.stats.k_used[k] += 1
         self.k_used[k] += 1
         return k

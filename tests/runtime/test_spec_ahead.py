@@ -1,0 +1,140 @@
+"""Speculation overlapped with the host (runtime/spec_ahead.py): the verify step after a verify step
+is launched on the device's acceptance of it, before the host commits. Greedy speculative output
+with the overlap equals plain greedy decoding token for token, with drafts accepted and rejected,
+requests ending mid-block (a stop id, max_tokens), arriving and aborted mid-flight, with prefix
+caching on and off; nothing leaks. On the CPU the graph session runs its static padded steps
+uncaptured (cuda_graphs=True), which is where the device ids and the shift go in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_utils import assert_released, prompts
+
+from k3trt.runtime import spec_ahead
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.params import SamplingParams
+from k3trt.runtime.spec_ahead import DeviceDrafter, accept_on_device
+from k3trt.runtime.speculative import Drafter, Proposal, accept_greedy
+
+LENGTHS = [5, 30, 12, 3]
+MAX_TOKENS = [20, 9, 14, 20]
+K = 3
+
+
+class TableDrafter(Drafter):
+    """Drafts by chaining a next-token table (built from the reference outputs, so most drafts are
+    right; every `wrong`-th entry is off by one, so some are rejected), on the host or the device."""
+    name = "table"
+
+    def __init__(self, refs: list[list[int]], vocab: int, wrong: int):
+        self.table = torch.zeros(vocab, dtype=torch.int64)
+        for ref in refs:
+            for a, b in zip(ref, ref[1:]):
+                self.table[a] = b
+        self.table[::wrong] += 1
+        self.device_calls = 0
+
+    def propose(self, inputs, k):
+        out = []
+        for inp in inputs:
+            d, t = [], inp.token_ids[-1]
+            for _ in range(inp.limit(k)):
+                t = int(self.table[t])
+                d.append(t)
+            out.append(d)
+        return Proposal(out, [None] * len(out))
+
+    def propose_on_device(self, reqs, bonus, hidden, num_accepted, k):
+        self.device_calls += 1
+        d, t = [], bonus
+        for _ in range(max(k)):
+            t = self.table.to(bonus.device)[t]
+            d.append(t)
+        return torch.stack(d, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=False)
+    ps = prompts(11, LENGTHS)
+    outs = [llm.generate([p], SamplingParams(max_tokens=n))[0].token_ids for p, n in zip(ps, MAX_TOKENS)]
+    return ps, outs
+
+
+def spec_llm(engine, reference, *, wrong: int = 5, **kw) -> LLM:
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=True, speculative="ngram", spec_tokens=K, **kw)
+    llm.spec.drafter = TableDrafter(reference[1], llm.vocab_size, wrong)
+    assert isinstance(llm.spec.drafter, DeviceDrafter)
+    return llm
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_overlapped_speculation_equals_plain_greedy(engine, reference, prefix_caching):
+    ps, want = reference
+    llm = spec_llm(engine, reference, prefix_caching=prefix_caching, block_size=16)
+    # request 1 ends on a stop id the host sees only after the next verify step was launched
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    params[1] = SamplingParams(max_tokens=MAX_TOKENS[1], stop_token_ids=[want[1][5]])
+    outs = llm.generate(ps, params)
+    assert [o.token_ids for o in outs] == [w[:6] if i == 1 else w for i, w in enumerate(want)]
+    assert outs[1].finish_reason == "stop" and outs[0].finish_reason == "length"
+    spec = llm.stats()["speculative"]
+    assert llm.stats()["launched_ahead"] > 0 and llm.spec.drafter.device_calls > 0
+    assert 0 < spec["accepted_tokens"] < spec["drafted_tokens"]          # accepted and rejected drafts
+    assert_released(llm)
+
+
+def test_arrivals_and_abort_while_a_verify_step_is_ahead(engine, reference):
+    ps, want = reference
+    llm = spec_llm(engine, reference, prefix_caching=False)
+    ids, done = {}, {}
+
+    def collect(outs):
+        done.update({ids[o.request_id]: o for o in outs if o.finished})
+
+    ids[llm.add_request(ps[0], SamplingParams(max_tokens=MAX_TOKENS[0]))] = 0
+    ids[victim := llm.add_request(ps[3], SamplingParams(max_tokens=MAX_TOKENS[3]))] = 3
+    for _ in range(3):
+        collect(llm.step())
+    assert llm.loop.lookahead.launched is not None     # a verify step launched on the device's verdict
+    ids[llm.add_request(ps[2], SamplingParams(max_tokens=MAX_TOKENS[2]))] = 2   # arrives mid-flight
+    llm.abort(victim)                                  # ends while the launched step holds its rows
+    while llm.has_unfinished():
+        collect(llm.step())
+    assert done[0].token_ids == want[0] and done[2].token_ids == want[2]
+    assert done[3].finish_reason == "abort"
+    assert_released(llm)
+
+
+def test_all_drafts_rejected_and_a_failed_launch(engine, reference, monkeypatch):
+    """Every draft wrong: acceptance 0 on the device, the KDA state rolled back there; then a launch
+    that raises: the step commits synchronously and nothing is lost."""
+    ps, want = reference
+    llm = spec_llm(engine, reference, wrong=1, prefix_caching=False, adaptive_k=False)
+    outs = llm.generate(ps[:2], [SamplingParams(max_tokens=n) for n in MAX_TOKENS[:2]])
+    assert [o.token_ids for o in outs] == want[:2] and llm.stats()["launched_ahead"] > 0
+    assert llm.stats()["speculative"]["accepted_tokens"] == 0
+    assert_released(llm)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(spec_ahead, "launch", broken)
+    llm = spec_llm(engine, reference, prefix_caching=False)
+    outs = llm.generate(ps[:2], [SamplingParams(max_tokens=n) for n in MAX_TOKENS[:2]])
+    assert [o.token_ids for o in outs] == want[:2] and llm.stats()["launched_ahead"] == 0
+    assert_released(llm)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_accept_on_device_is_accept_greedy(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, K_ = 16, 4
+    target = torch.randint(0, 3, (B, K_ + 1), generator=g)
+    drafts = torch.where(torch.rand(B, K_, generator=g) < 0.8, target[:, :K_], torch.randint(0, 3, (B, K_), generator=g))
+    nd = torch.randint(0, K_ + 1, (B,), generator=g)
+    n, bonus = accept_on_device(target, drafts, nd)
+    ref = accept_greedy(target, drafts, nd)
+    assert n.tolist() == ref.num_accepted
+    assert [d[:m] + [b] for d, m, b in zip(drafts.tolist(), n.tolist(), bonus.tolist())] == ref.tokens
+    assert len(set(n.tolist())) > 2
