@@ -221,7 +221,10 @@ class GraphSession(TorchSession):
             self._shift(st, n, shift)
         short = [i for i, n in enumerate(batch.q_lens) if n < st.layout.Q]
         if short:       # index tensors made now: a copy to the device after the replay would wait for it
-            short = (batch.kda_slots[short].to(self.device), torch.tensor(batch.q_lens)[short].to(self.device) - 1)
+            short = torch.stack([batch.kda_slots[short], torch.tensor(batch.q_lens)[short] - 1])
+            if self.device.type == "cuda":   # pinned: a pageable copy would wait for a step launched before
+                short = short.pin_memory().to(self.device, non_blocking=True)
+            short = (short[0], short[1])
         if st.copied is not None:
             st.copied.record()
         with torch.inference_mode():

@@ -24,15 +24,16 @@ K = 3
 
 class TableDrafter(Drafter):
     """Drafts by chaining a next-token table (built from the reference outputs, so most drafts are
-    right; every `wrong`-th entry is off by one, so some are rejected), on the host or the device."""
+    right; every `wrong`-th entry is off by one, so some are rejected), on the host."""
     name = "table"
 
-    def __init__(self, refs: list[list[int]], vocab: int, wrong: int):
-        self.table = torch.zeros(vocab, dtype=torch.int64)
+    def __init__(self, refs: list[list[int]], vocab: int, wrong: int, device: str = "cpu"):
+        table = torch.zeros(vocab, dtype=torch.int64)
         for ref in refs:
             for a, b in zip(ref, ref[1:]):
-                self.table[a] = b
-        self.table[::wrong] += 1
+                table[a] = b
+        table[::wrong] += 1
+        self.host_table, self.table = table.tolist(), table.to(device)
         self.device_calls = 0
 
     def propose(self, inputs, k):
@@ -40,16 +41,20 @@ class TableDrafter(Drafter):
         for inp in inputs:
             d, t = [], inp.token_ids[-1]
             for _ in range(inp.limit(k)):
-                t = int(self.table[t])
+                t = self.host_table[t]
                 d.append(t)
             out.append(d)
         return Proposal(out, [None] * len(out))
+
+
+class DeviceTableDrafter(TableDrafter):
+    """The same table, chained on the device from the device's bonus tokens (spec_ahead.DeviceDrafter)."""
 
     def propose_on_device(self, reqs, bonus, hidden, num_accepted, k):
         self.device_calls += 1
         d, t = [], bonus
         for _ in range(max(k)):
-            t = self.table.to(bonus.device)[t]
+            t = self.table[t]
             d.append(t)
         return torch.stack(d, 1)
 
@@ -64,7 +69,7 @@ def reference(engine):
 
 def spec_llm(engine, reference, *, wrong: int = 5, **kw) -> LLM:
     llm = LLM(engine, verify_checksums=False, cuda_graphs=True, speculative="ngram", spec_tokens=K, **kw)
-    llm.spec.drafter = TableDrafter(reference[1], llm.vocab_size, wrong)
+    llm.spec.drafter = DeviceTableDrafter(reference[1], llm.vocab_size, wrong)
     assert isinstance(llm.spec.drafter, DeviceDrafter)
     return llm
 
