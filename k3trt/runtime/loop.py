@@ -7,7 +7,8 @@ runtime"):
             meanwhile on the host GrammarRuntime.fill / apply mask the guided rows
   ahead     decoding whose next tokens are chosen on the device (greedy or seeded sampling, no
             grammar, processors or penalties) launches the next step before this one's tokens reach
-            the host (lookahead.py; the loop holds it through ``Lookahead``)
+            the host (lookahead.py), and so does greedy speculation with a drafter that drafts on
+            the device (spec_ahead.py); the loop holds the launched step through ``Lookahead``
   accept    spec_step.decide: processors, penalties, greedy or stochastic acceptance -> Verdicts
   commit    Request.block_end (EOS, stop ids, max_tokens, max_model_len: request.py is the one place
             that decides), the grammar's commit, Request.append_token (stop strings); KDA rollback

@@ -30,11 +30,19 @@ string, max_tokens mid-block) still has rows in N+1: they are ignored, as one st
 has before N commits (at least one token less: n + 1 >= 1), so rows past its end are only cut,
 never missing.
 
-Which drafters draft on the device: any with ``propose_on_device``. The MTP drafter fits this
-shape (its step 0 over N's rows 0..n is a padded static step of Q + 1 rows per request whose
-positions the host knows, its chained steps run at positions shifted by n on the device, and its
-cache entries past ``valid`` are overwritten before they are read); drafters that need the host
-(n-gram lookup, a draft model with its own KDA state) keep the synchronous step.
+Which drafters draft on the device: any with ``propose_on_device`` (``DeviceDrafter``). The host
+still hands every drafter N's kept hidden rows and tokens after N's commit (on_hidden, on_commit),
+as in the synchronous loop, and calls ``propose`` for every step it schedules itself. Drafters that
+need the host (n-gram lookup over the history, a draft model with its own KDA state) keep the
+synchronous step. The MTP drafter fits the shape without new host state: its step 0 runs positions
+valid .. len - 2 with true hiddens, all known on the host but N's rows 0..n and their tokens
+(drafts[:n], bonus), so a device step 0 is a static step of (rows the host knows) + Q rows per
+request whose positions the host knows, fed N's hidden rows and ``where(j == n + 1, bonus,
+drafts[j - 1])`` as tokens; the row at n + 1 gives the first draft, and the chained steps run at
+positions shifted by n on the device (StepContext's dev_positions / dev_seq_lens, as graphs.py
+does). Rows past n + 1 write MTP cache entries past the true ones, which every later step 0
+rewrites from ``valid`` before reading them; at the next on_commit the drafter moves ``valid`` to
+len - 2 as its own propose would have.
 """
 
 from __future__ import annotations

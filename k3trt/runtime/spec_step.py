@@ -1,7 +1,8 @@
 """Speculative decoding inside the step loop: drafting before the schedule, acceptance after the
 forward. ``StepLoop.step`` (loop.py) strings them together (ARCHITECTURE.md, "One step of the runtime"):
 
-  draft    Speculator.draft(decoding requests): drafter.propose → req.drafts (+ req.draft_q)
+  draft    Speculator.draft(decoding requests): K_r per request (adaptive_k.py: its recent acceptance,
+           within room - 1) → drafter.propose → req.drafts (+ req.draft_q)
   schedule 1 + len(drafts) verify rows per decode (drafts are dropped before anyone is preempted)
   mask     guided requests: drafts cut at the first token the grammar refuses; masks on the rows
   run      verify [last token, *drafts] per request with the KDA state kept after every row
