@@ -3,7 +3,7 @@
 # machine with a CUDA GPU; on the lent device machine, as one `run` command).
 #
 #   bash benchmarks/gpu.sh [STAGE...]     stages: tests e2e moe_gemm kda_chunk structured profile_step
-#                                         (default: all, in that order)
+#                                         ahead (default: all, in that order)
 #
 # Each stage's JSON and log go to $OUT (default /tmp/k3trt-out) under the stage's name; a failing
 # stage does not stop the ones after it; each has a time limit (seconds) from <STAGE>_S. The MLA
@@ -22,7 +22,7 @@ OUT=${OUT:-/tmp/k3trt-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests e2e moe_gemm kda_chunk structured profile_step)
+[ ${#stages[@]} -eq 0 ] && stages=(tests e2e moe_gemm kda_chunk structured profile_step ahead)
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl 2>&1 | tail -3
@@ -51,6 +51,7 @@ for s in "${stages[@]}"; do
                         --batches 1,32,128 --speculative none --json "$OUT/structured.json" ;;
         profile_step) stage profile_step 200 python benchmarks/profile_step.py --preset medium --batches 1,32,128 \
                           --json "$OUT/profile_step.json" ;;
-        *) echo "unknown stage $s (stages: tests e2e moe_gemm kda_chunk structured profile_step)" ;;
+        ahead) stage ahead 240 python benchmarks/ahead.py --json "$OUT/ahead.json" ;;
+        *) echo "unknown stage $s (stages: tests e2e moe_gemm kda_chunk structured profile_step ahead)" ;;
     esac
 done
