@@ -203,6 +203,9 @@ class GraphSession(TorchSession):
         st = min((st for (S, Q), st in self.steps.items() if S == batch.capacity and Q >= need),
                  key=lambda st: st.layout.Q, default=None)
         if st is None or batch.block_table.shape[1] > st.layout.max_blocks:
+            if shift is not None or device_ids is not None and device_ids.dim() == 2:
+                raise ValueError(f"no static step holds {len(batch.q_lens)} sequences of up to {need} rows over "
+                                 f"{batch.block_table.shape[1]} blocks: device ids by row and shifts need one")
             self.graph_stats["eager"] += 1
             return super().verify(batch, device_ids)
         n = len(batch.q_lens)

@@ -65,6 +65,7 @@ class StepLoop:
         self.requests: dict[str, Request] = {}
         self._touched: dict[str, Request] = {}     # changed since the last emit
         self._num_guided = 0                       # live guided requests: the grammar stages run only then
+        self._spec_ahead = True                    # off once launching a verify step ahead has failed
         self._ids = itertools.count()
         self._seeds = random.Random(seed)
         self.counters: dict[str, Any] = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "launched_ahead": 0,
@@ -163,17 +164,17 @@ class StepLoop:
     def _launch_spec(self, plan: StepPlan, out: StepOutput) -> SpecLaunch | None:
         """Launch the verify step after `plan` on the device's verdict of it (spec_ahead.py), if it can be."""
         cfg = self.scheduler.config
-        if not self.spec.enabled or not spec_ahead.eligible(
+        if not self._spec_ahead or not self.spec.enabled or not spec_ahead.eligible(
                 self.session, self.spec.drafter, plan, out, self.cache, waiting=bool(self.scheduler.waiting),
                 checkpoints=cfg.prefix_caching and cfg.hybrid, max_model_len=self.max_model_len, k=self.spec.k):
             return None
         try:
             nxt = self.lookahead.launch_spec(self.spec.drafter, plan, out, [self.spec.limit(r, ahead=1)
                                                                              for r in plan.decodes])
-        except Exception as e:   # this step commits synchronously; the next one is scheduled normally
-            log.warning("launching the verify step ahead failed (%s: %s); stepping synchronously",
-                        type(e).__name__, e)
-            self.lookahead.launched = None
+        except Exception as e:   # this step commits synchronously, and so do the ones after it
+            log.warning("launching the verify step ahead failed (%s: %s); verify steps run synchronously from "
+                        "now on", type(e).__name__, e)
+            self._spec_ahead = False
             return None
         if nxt is not None:
             self.count_step(nxt.plan)

@@ -28,7 +28,8 @@ boundary (prefix caching on a hybrid model) inside them. A request that N ends (
 string, max_tokens mid-block) still has rows in N+1: they are ignored, as one step ahead does
 (lookahead.py). Each request drafts its controller's K for N+1 (adaptive_k.py) with the room it
 has before N commits (at least one token less: n + 1 >= 1), so rows past its end are only cut,
-never missing.
+never missing. A launch that raises (a device drafter's fault, say) ends no request: that step
+commits synchronously, and the loop runs verify steps synchronously from then on.
 
 Which drafters draft on the device: any with ``propose_on_device`` (``DeviceDrafter``). The host
 still hands every drafter N's kept hidden rows and tokens after N's commit (on_hidden, on_commit),
@@ -123,7 +124,8 @@ class SpecLaunch:
     def set_drafts(self) -> None:
         """N+1's drafts become its requests' drafts (for its acceptance); call once N is committed."""
         for r, d, k in zip(self.plan.decodes, self.drafts.tolist(), self.k):
-            r.set_drafts(d[:k])
+            if not r.finished:
+                r.set_drafts(d[:k])
 
 
 def eligible(session, drafter, plan: StepPlan, out: StepOutput, cache: CacheManager, *, waiting: bool,

@@ -143,3 +143,19 @@ def test_accept_on_device_is_accept_greedy(seed):
     assert n.tolist() == ref.num_accepted
     assert [d[:m] + [b] for d, m, b in zip(drafts.tolist(), n.tolist(), bonus.tolist())] == ref.tokens
     assert len(set(n.tolist())) > 2
+
+
+def test_a_device_drafter_fault_keeps_the_steps_synchronous(engine, reference, caplog):
+    """propose_on_device raising: the step commits synchronously, the host drafts the next ones,
+    and the requests go on (the drafter's device path is optional, not part of the request)."""
+    ps, want = reference
+    llm = spec_llm(engine, reference, prefix_caching=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device drafting exploded")
+    llm.spec.drafter.propose_on_device = broken
+    outs = llm.generate(ps[:2], [SamplingParams(max_tokens=n) for n in MAX_TOKENS[:2]])
+    assert [o.token_ids for o in outs] == want[:2] and all(o.error is None for o in outs)
+    assert llm.stats()["speculative"]["accepted_tokens"] > 0
+    assert sum("device drafting exploded" in r.message for r in caplog.records) == 1     # tried once
+    assert_released(llm)
