@@ -39,12 +39,14 @@ from k3trt.runtime.engine import EngineSession, TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
 from k3trt.runtime.loop import StepLoop
+from k3trt.runtime.mtp_ahead import MTPAhead
 from k3trt.runtime.onnx_session import OnnxSession
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import Request, RequestOutput
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 from k3trt.runtime.spec_step import Speculator
 from k3trt.runtime.speculative import NoDrafter, make_drafter, spec_tokens_for
+from k3trt.runtime.speculative.mtp import MTPDrafter
 from k3trt.runtime.structured import CompiledGuide, GuidedSpec
 from k3trt.runtime.tokenizer import Tokenizer
 from k3trt.runtime.trt_session import TrtSession
@@ -143,6 +145,8 @@ class LLM:
         drafter = make_drafter(opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len,
                                target=model, dtype=b.torch_dtype, device=device, block_size=plan.block_size,
                                sample_drafts=True, graphs=graphs) if k else NoDrafter()
+        if isinstance(drafter, MTPDrafter) and graphs:     # it drafts on the device too (spec_ahead.py)
+            drafter = MTPAhead(drafter)
         self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
                                adaptive=opts.adaptive_k)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)

@@ -35,15 +35,9 @@ Which drafters draft on the device: any with ``propose_on_device`` (``DeviceDraf
 still hands every drafter N's kept hidden rows and tokens after N's commit (on_hidden, on_commit),
 as in the synchronous loop, and calls ``propose`` for every step it schedules itself. Drafters that
 need the host (n-gram lookup over the history, a draft model with its own KDA state) keep the
-synchronous step. The MTP drafter fits the shape without new host state: its step 0 runs positions
-valid .. len - 2 with true hiddens, all known on the host but N's rows 0..n and their tokens
-(drafts[:n], bonus), so a device step 0 is a static step of (rows the host knows) + Q rows per
-request whose positions the host knows, fed N's hidden rows and ``where(j == n + 1, bonus,
-drafts[j - 1])`` as tokens; the row at n + 1 gives the first draft, and the chained steps run at
-positions shifted by n on the device (StepContext's dev_positions / dev_seq_lens, as graphs.py
-does). Rows past n + 1 write MTP cache entries past the true ones, which every later step 0
-rewrites from ``valid`` before reading them; at the next on_commit the drafter moves ``valid`` to
-len - 2 as its own propose would have.
+synchronous step. The MTP drafter drafts on the device through ``mtp_ahead.MTPAhead`` (LLM wraps
+it so on a graph session): its step 0 over N's rows is a step whose positions the host knows, its
+chained steps run at positions shifted by n on the device.
 """
 
 from __future__ import annotations

@@ -7,15 +7,19 @@ uncaptured (cuda_graphs=True), which is where the device ids and the shift go in
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from runtime_utils import assert_released, prompts
 
 from k3trt.runtime import spec_ahead
 from k3trt.runtime.llm import LLM
+from k3trt.runtime.mtp_ahead import MTPAhead
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.spec_ahead import DeviceDrafter, accept_on_device
-from k3trt.runtime.speculative import Drafter, Proposal, accept_greedy
+from k3trt.runtime.speculative import Drafter, DraftInput, Proposal, accept_greedy
+from k3trt.runtime.speculative.mtp import MTPDrafter
 
 LENGTHS = [5, 30, 12, 3]
 MAX_TOKENS = [20, 9, 14, 20]
@@ -159,3 +163,83 @@ def test_a_device_drafter_fault_keeps_the_steps_synchronous(engine, reference, c
     assert llm.stats()["speculative"]["accepted_tokens"] > 0
     assert sum("device drafting exploded" in r.message for r in caplog.records) == 1     # tried once
     assert_released(llm)
+
+
+# ------------------------------------------------------------------------------------ MTP
+def drafts_by_step(llm: LLM, ps, params) -> tuple[list, dict]:
+    """Generate, recording every request's drafts at each of its verify steps (what the step
+    verified: the host's drafts or the device's)."""
+    seen: dict[str, list] = {}
+    commit = llm.loop._commit_one
+
+    def spy(req, v, hidden):
+        seen.setdefault(req.request_id, []).append((len(req.token_ids), list(req.drafts)))
+        return commit(req, v, hidden)
+    llm.loop._commit_one = spy
+    outs = llm.generate(ps, params)
+    return [o.token_ids for o in outs], {o.request_id: seen[o.request_id] for o in outs}
+
+
+def test_mtp_drafts_on_the_device_as_on_the_host(engine, reference):
+    """MTP drafting on the device (mtp_ahead.py) proposes what the MTP drafter proposes on the host
+    for the same history, step for step, and greedy output equals plain greedy decoding."""
+    ps, want = reference
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    runs = []
+    for graphs in (False, True):           # False: the MTP drafter itself, every step synchronous
+        llm = LLM(engine, verify_checksums=False, cuda_graphs=graphs, speculative="mtp", spec_tokens=K,
+                  adaptive_k=False, prefix_caching=False)
+        assert (type(llm.spec.drafter).__name__ == "MTPAhead") == graphs
+        tokens, drafts = drafts_by_step(llm, ps, params)
+        assert tokens == want
+        assert (llm.stats()["launched_ahead"] > 0) == graphs
+        assert_released(llm)
+        runs.append(drafts)
+    host, device = runs
+    assert host.keys() == device.keys()
+    for rid in host:
+        # the device launch drafts for one token less of room at the end (cut there): compare the
+        # steps both ran, by committed length
+        h, d = dict(host[rid]), dict(device[rid])
+        common = sorted(set(h) & set(d))
+        assert len(common) >= 2
+        assert all(h[c][:len(d[c])] == d[c][:len(h[c])] for c in common), rid
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3])
+def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n):
+    """The same MTP state and verify step on two drafters: the device's drafts from (n, bonus, the
+    step's hidden rows) equal the host's after it commits drafts[:n] + [bonus], and both then go on
+    drafting alike (the hand-over moves the device-drafted one's bookkeeping to the host's)."""
+    cfg, model = tiny_model
+    g = torch.Generator().manual_seed(n)
+    H = cfg.hidden_size
+    x = torch.randint(1, 1000, (11,), generator=g).tolist()
+    hid = torch.randn(len(x) + 16, H, generator=g)
+    drafters = [MTPDrafter(model, cfg, k_max=K, max_live=2, max_model_len=64) for _ in range(2)]
+    host, dev = drafters[0], MTPAhead(drafters[1])
+    for d in (host, dev):                    # prompt handed over, one token sampled, drafts for step N
+        d.on_hidden("r", 0, hid[:len(x) - 1])
+    drafts = host.propose([DraftInput("r", x)], K).tokens[0]
+    assert dev.propose([DraftInput("r", x)], K).tokens[0] == drafts and len(drafts) == K
+    V = torch.randn(K + 1, H, generator=g)   # step N's rows: [x[-1], *drafts]
+    bonus = int(torch.randint(1, 1000, (1,), generator=g))
+    req = SimpleNamespace(request_id="r", token_ids=x, drafts=drafts)
+    got = dev.propose_on_device([req], torch.tensor([bonus]), V[None], torch.tensor([n]), [K])[0].tolist()
+    kept = drafts[:n] + [bonus]
+    x2 = x + kept
+    for d in (host, dev):                    # N's commit
+        d.on_hidden("r", len(x) - 1, V[:n + 1])
+        d.on_commit("r", kept)
+    want = host.propose([DraftInput("r", x2)], K).tokens[0]
+    assert got == want
+    # one more step on the host path for both: the device-drafted one picks up where it left
+    V2, b2 = torch.randn(K + 1, H, generator=g), 7
+    x3 = x2 + [b2]
+    for d in (host, dev):
+        d.on_hidden("r", len(x2) - 1, V2[:1])
+        d.on_commit("r", [b2])
+    assert dev.propose([DraftInput("r", x3)], K).tokens[0] == host.propose([DraftInput("r", x3)], K).tokens[0]
+    for d in (host, dev):
+        d.release("r")
+    assert not dev.seqs and not dev.ahead
