@@ -7,13 +7,16 @@ the same run: the step's GPU time alone (its graph replayed back to back) per to
     PYTHONPATH=. python benchmarks/ahead.py --preset tiny --device cpu --quick      # CPU smoke
 
 The model is built on the device with random weights (the medium preset: K3's per-layer
-dimensions). Cases per batch: greedy, sampled (temperature 0.8, seeded), and greedy speculation
-(K drafts) with an oracle drafter that proposes the target's own greedy continuation and corrupts
+dimensions). Cases per batch: greedy, sampled (temperature 0.8, seeded), greedy speculation (K
+drafts) with an oracle drafter that proposes the target's own greedy continuation and corrupts
 each draft with probability 1 - alpha (table lookups on the host, or on the device for the
-overlapped step: free drafting, the engine's ceiling). Each runs synchronously ("sync") and with
-launching ahead ("ahead"); decode figures time the steps after every request has its first token.
-ceiling tok/s = batch x tokens per step (1, or the measured accepted length + 1) / the step's GPU
-time; host ms = sync - ahead mean step time, the host time the overlap hid.
+overlapped step: free drafting, the engine's ceiling), and greedy speculation drafted by the
+model's MTP layer (random weights reject its drafts, so that row shows what a draft step costs and
+what the overlap hides, not a speedup; runtime/mtp_ahead.py drafts on the device). Each runs
+synchronously ("sync") and launching ahead ("ahead"); decode figures time the steps after every
+request has its first token. ceiling tok/s = batch x tokens per step (1, or the measured accepted
+length + 1) / the step's GPU time; host ms = sync - ahead mean step time, the host time the
+overlap hid.
 """
 
 from __future__ import annotations
@@ -78,13 +81,13 @@ class DeviceOracle(Oracle):
         return torch.where(keep, d, (d + 1) % self.vocab)
 
 
-def make_llm(model, a, *, spec: bool) -> LLM:
-    k = a.spec_tokens if spec else 0
+def make_llm(model, a, *, spec: str = "none") -> LLM:
+    k = a.spec_tokens if spec != "none" else 0
     caps = Capacities.plan(max_batch=max(a.batches), max_num_tokens=a.max_num_tokens, spec_tokens=k,
                            verify=sorted(set(a.batches)))
     build = BuildConfig(dtype=a.dtype, block_size=64, max_num_tokens=a.max_num_tokens, max_seq_len=a.max_seq_len)
     return LLM.from_model(model, build=build, capacities=caps, prefix_caching=False, cuda_graphs=True,
-                          speculative="ngram" if spec else "none", spec_tokens=k or None, adaptive_k=False,
+                          speculative=spec, spec_tokens=k or None, adaptive_k=False,
                           kv_cache_memory=a.kv_cache_gb << 30)
 
 
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     greedy = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     sampled = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, temperature=0.8, seed=1)
 
-    plain = make_llm(model, a, spec=False)
+    plain = make_llm(model, a)
     refs = {}
     for b in a.batches:
         ps = torch.randint(16, cfg.vocab_size - 16, (b, a.prompt_len), generator=g).tolist()
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(a.json, doc)
     plain.close()
 
-    spec = make_llm(model, a, spec=True)
+    spec = make_llm(model, a, spec="ngram")
     for b in a.batches:
         ps, outs = refs[b]
         table = {f"b{i}": (len(p), o) for i, (p, o) in enumerate(zip(ps, outs))}
@@ -204,6 +207,18 @@ def main(argv: list[str] | None = None) -> dict:
                                      alpha=alpha, ahead=(drafter(Oracle), drafter(DeviceOracle))))
             write_json(a.json, doc)
     spec.close()
+
+    mtp = make_llm(model, a, spec="mtp")       # MTPAhead: the real MTP layer drafts, on the host or the device
+    both = mtp.spec.drafter
+    for b in a.batches:
+        ps = refs[b][0]
+
+        def use(d):
+            return lambda: setattr(mtp.spec, "drafter", d)
+        doc["cases"].append(case("mtp", mtp, ps, greedy, batch=b, q=a.spec_tokens + 1,
+                                 ahead=(use(both.inner), use(both))))
+        write_json(a.json, doc)
+    mtp.close()
     print_table(f"launching ahead: {a.preset} preset, K={a.spec_tokens}, prompt {a.prompt_len}, "
                 f"{a.max_tokens} tokens; {doc['machine']['device']}", None, [
                     ("case", "case", 12, "s"), ("batch", "batch", 5, "d"), ("sync tok/s", "sync_tok_s", 11, ".1f"),
