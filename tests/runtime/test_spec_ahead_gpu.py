@@ -55,3 +55,21 @@ def test_overlapped_speculation_on_the_gpu(bf16_engine):
     # bf16 on the GPU: a step launched ahead still holds rows of requests that just ended, and other
     # batch shapes round the MoE apart, so the runs are compared where their batches are alike
     assert all(len(a) == len(b) == 24 and a[:12] == b[:12] == w[:12] for a, b, w in zip(*runs, want))
+
+
+def test_mtp_drafted_on_the_device_on_the_gpu(bf16_engine):
+    """MTP drafting on the device (mtp_ahead.py) against the MTP drafter on the host, on the same
+    graph session: the launches happen and the tokens agree where the batches match."""
+    ps = prompts(3, LENGTHS)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm = LLM(bf16_engine, verify_checksums=False, device="cuda", cuda_graphs=True, prefix_caching=False,
+              speculative="mtp", spec_tokens=3, adaptive_k=False)
+    both = llm.spec.drafter
+    runs = []
+    for drafter in (both.inner, both):
+        llm.spec.drafter = drafter
+        before = llm.stats()["launched_ahead"]
+        runs.append([o.token_ids for o in llm.generate(ps, params)])
+        assert (llm.stats()["launched_ahead"] > before) == (drafter is both)
+        assert_released(llm)
+    assert all(len(a) == len(b) == 24 and a[:12] == b[:12] for a, b in zip(*runs))
