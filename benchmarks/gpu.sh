@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu.sh [STAGE...]     stages: tests e2e moe_gemm kda_chunk structured profile_step
 #                                         (default: these, in that order); by name only:
-#                                         spec_speedup spec_breakdown train_draft (~7, 2, 5 min)
+#                                         ahead spec_speedup spec_breakdown train_draft (~3, 7, 2, 5 min)
 #
 # Each stage's JSON and log go to $OUT (default /tmp/k3trt-out) under the stage's name; a failing
 # stage does not stop the ones after it; each has a time limit (seconds) from <STAGE>_S. The MLA
@@ -23,7 +23,7 @@ OUT=${OUT:-/tmp/k3trt-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests e2e moe_gemm kda_chunk structured profile_step)
+[ ${#stages[@]} -eq 0 ] && stages=(tests e2e moe_gemm kda_chunk structured profile_step ahead)
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl 2>&1 | tail -3
@@ -56,7 +56,8 @@ for s in "${stages[@]}"; do
         spec_breakdown) stage spec_breakdown 240 python benchmarks/spec_speedup.py --breakdown \
                             --json "$OUT/spec_breakdown.json" ;;
         train_draft) stage train_draft 420 python benchmarks/train_draft.py --json "$OUT/spec_trained.json" ;;
-        *) echo "unknown stage $s (stages: tests e2e moe_gemm kda_chunk structured profile_step spec_speedup" \
+        ahead) stage ahead 240 python benchmarks/ahead.py --json "$OUT/ahead.json" ;;
+        *) echo "unknown stage $s (stages: tests e2e moe_gemm kda_chunk structured profile_step ahead spec_speedup" \
                 "spec_breakdown train_draft)" ;;
     esac
 done

@@ -194,6 +194,8 @@ def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
 @click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
               help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
                    "default: the tokenizer's merge order)")
+@click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
+              help="per-request K from its recent acceptance, up to --spec-tokens")
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="constrain the output to this JSON schema (a file)")
 @click.option("--regex", default=None, help="constrain the output to this regular expression")
@@ -203,7 +205,8 @@ def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
 @rank_options
 def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, draft_vocab,
-            draft_vocab_counts, json_schema, regex, grammar, device, as_json, tp, dcp, ep, rank_timeout) -> None:
+            draft_vocab_counts, adaptive_k, json_schema, regex, grammar, device, as_json, tp, dcp, ep,
+            rank_timeout) -> None:
     """Generate from ENGINE_DIR (a multi-rank engine: its ranks run in processes of their own)."""
     from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
@@ -211,9 +214,9 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
         if _torchrun_worker(engine_dir, device, ranks):
             return
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                  device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
-                  regex=regex, grammar=grammar, draft_vocab_size=draft_vocab, draft_vocab_counts=draft_vocab_counts,
-                  **ranks)
+                  device=device, speculative=speculative, spec_tokens=spec_tokens, adaptive_k=adaptive_k,
+                  json_schema=json_schema, regex=regex, grammar=grammar, draft_vocab_size=draft_vocab,
+                  draft_vocab_counts=draft_vocab_counts, **ranks)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
@@ -241,9 +244,12 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
               help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
                    "default: the tokenizer's merge order)")
+@click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
+              help="per-request K from its recent acceptance, up to --spec-tokens")
 @rank_options
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
-              speculative, spec_tokens, draft_vocab, draft_vocab_counts, tp, dcp, ep, rank_timeout) -> None:
+              speculative, spec_tokens, draft_vocab, draft_vocab_counts, adaptive_k, tp, dcp, ep,
+              rank_timeout) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API. A multi-rank engine's ranks run in
     processes of their own on this node; under torchrun rank 0 serves and the others are workers."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
@@ -254,6 +260,8 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["spec_tokens"] = spec_tokens
     if draft_vocab is not None:
         opts["draft_vocab_size"], opts["draft_vocab_counts"] = draft_vocab, draft_vocab_counts
+    if not adaptive_k:
+        opts["adaptive_k"] = False
     try:
         opts.update(_rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout))
         if _torchrun_worker(engine_dir, device, opts):

@@ -187,27 +187,55 @@ class GraphSession(TorchSession):
         st.hidden = self.model(ids, ctx, self.cache)
         st.logits = self.model.logits(st.hidden)
 
+    def _shift(self, st: StaticStep, n: int, shift: torch.Tensor) -> None:
+        """Move the first n sequences of the packed step `shift` rows further into their context:
+        positions and lengths grow, and each real row's cache slot is read again from the block
+        table at its new position (padding rows keep slot -1)."""
+        v, Q, bs = st.views, st.layout.Q, self.plan.block_size
+        pos = v["positions"].view(-1, Q)[:n]
+        pos += shift[:, None]
+        v["seq_lens"][:n] += shift
+        slots = v["slot_mapping"].view(-1, Q)[:n]
+        table = v["block_table"][:n]
+        moved = table.gather(1, pos // bs) * bs + pos % bs
+        slots.copy_(torch.where(slots >= 0, moved, slots))
+
     # ---------------------------------------------------------------------------------- steps
-    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def verify(self, batch: Batch, device_ids: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> torch.Tensor:
+        """device_ids: the step's ids on the device, int64 [T] (one row per sequence) or [S, q] (row j
+        of sequence i at [i, j]; ids past a sequence's rows are ignored). shift: int64 [S] on the
+        device, rows each sequence's context grows by after `batch` was packed (its positions,
+        length and cache slots move with it; runtime/spec_ahead.py)."""
         need = max(batch.q_lens)
         st = min((st for (S, Q), st in self.steps.items() if S == batch.capacity and Q >= need),
                  key=lambda st: st.layout.Q, default=None)
         if st is None or batch.block_table.shape[1] > st.layout.max_blocks:
+            if shift is not None or device_ids is not None and device_ids.dim() == 2:
+                raise ValueError(f"no static step holds {len(batch.q_lens)} sequences of up to {need} rows over "
+                                 f"{batch.block_table.shape[1]} blocks: device ids by row and shifts need one")
             self.graph_stats["eager"] += 1
             return super().verify(batch, device_ids)
-        if device_ids is not None and (st.layout.Q != 1 or len(device_ids) != batch.num_tokens):
-            raise ValueError(f"device_ids need a one-row-per-sequence step; got {len(device_ids)} ids for "
-                             f"{batch.num_tokens} tokens at Q={st.layout.Q}")
+        n = len(batch.q_lens)
+        if device_ids is not None and (device_ids.shape[0] != n or device_ids.dim() == 2 and device_ids.shape[1] >
+                                       st.layout.Q or device_ids.dim() == 1 and st.layout.Q != 1):
+            raise ValueError(f"device_ids {tuple(device_ids.shape)} do not fit {n} sequences at Q={st.layout.Q}")
         self.graph_stats["graph" if self.capture else "static"] += 1
         if st.copied is not None:
             st.copied.synchronize()            # the previous step's copy out of st.host is done
         st.layout.pack(batch, self.spare_slot, st.host)
         st.dev.copy_(st.host, non_blocking=True)
-        if device_ids is not None:      # one row per sequence: the first T rows, in order
-            st.views["input_ids"][:batch.num_tokens].copy_(device_ids)
+        if device_ids is not None:      # sequence i's rows start at i·Q
+            ids = device_ids.view(n, -1)
+            st.views["input_ids"].view(-1, st.layout.Q)[:n, :ids.shape[1]].copy_(ids)
+        if shift is not None:
+            self._shift(st, n, shift)
         short = [i for i, n in enumerate(batch.q_lens) if n < st.layout.Q]
         if short:       # index tensors made now: a copy to the device after the replay would wait for it
-            short = (batch.kda_slots[short].to(self.device), torch.tensor(batch.q_lens)[short].to(self.device) - 1)
+            short = torch.stack([batch.kda_slots[short], torch.tensor(batch.q_lens)[short] - 1])
+            if self.device.type == "cuda":   # pinned: a pageable copy would wait for a step launched before
+                short = short.pin_memory().to(self.device, non_blocking=True)
+            short = (short[0], short[1])
         if st.copied is not None:
             st.copied.record()
         with torch.inference_mode():

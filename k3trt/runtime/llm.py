@@ -40,6 +40,7 @@ from k3trt.runtime.engine import EngineSession, TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
 from k3trt.runtime.loop import StepLoop
+from k3trt.runtime.mtp_ahead import MTPAhead
 from k3trt.runtime.onnx_session import OnnxSession
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.rank_session import open_rank_session, parallel_config, start_ranks
@@ -48,6 +49,7 @@ from k3trt.runtime.request import FinishReason, Request, RequestOutput
 from k3trt.runtime.scheduler import Scheduler, SchedulerConfig
 from k3trt.runtime.spec_step import Speculator
 from k3trt.runtime.speculative import Drafter, NoDrafter, make_drafter, spec_tokens_for
+from k3trt.runtime.speculative.mtp import MTPDrafter
 from k3trt.runtime.structured import CompiledGuide, GuidedSpec
 from k3trt.runtime.tokenizer import Tokenizer
 from k3trt.runtime.trt_session import TrtSession
@@ -77,6 +79,7 @@ class EngineOptions:
     spec_tokens: int | None = None        # K drafts per request (1..7); None: the build's, else 3
     draft_vocab_size: int | None = None   # model drafters score only this many ids (speculative/draft_vocab.py)
     draft_vocab_counts: str | None = None  # token counts file ranking them; None: merge order
+    adaptive_k: bool = True               # per-request K from its acceptance (adaptive_k.py); False: always K
     cuda_graphs: bool | None = None       # decode/verify steps as CUDA graphs; None: on CUDA in bf16/fp16
                                           # (True off CUDA: the padded static steps, uncaptured)
     tp: int | None = None                 # multi-rank layout (rank_session.py); None: the engine dir's, else 1
@@ -174,7 +177,10 @@ class LLM:
                 opts.speculative, k=k, max_live=verify[-1], max_model_len=self.max_model_len, target=model,
                 dtype=b.torch_dtype, device=device, block_size=plan.block_size, sample_drafts=True, graphs=graphs,
                 draft_vocab_size=opts.draft_vocab_size, draft_vocab_counts=opts.draft_vocab_counts)
-        self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
+        if type(drafter) is MTPDrafter and graphs:     # it drafts on the device too (spec_ahead.py)
+            drafter = MTPAhead(drafter)
+        self.spec = Speculator(drafter, k, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
+                               adaptive=opts.adaptive_k)
         self.cache = CacheManager(plan, hybrid=hybrid, prefix_caching=opts.prefix_caching)
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer, self.eos_ids = _load_tokenizer(tokenizer_dir)
@@ -281,9 +287,9 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: steps, preemptions, generated tokens, capacity hits, cache usage, and
-        speculative decoding (method, K, verify steps with drafts, proposed / drafted / accepted
-        tokens, acceptance rate, mean accepted length, accepted-length histogram, and the drafter's
-        own counters under "drafter")."""
+        speculative decoding (method, K, adaptive K on, verify steps with drafts, proposed / drafted /
+        accepted tokens, acceptance rate, mean accepted length, accepted-length histogram, K used: mean
+        and histogram over (request, step), and the drafter's own counters under "drafter")."""
         return self.loop.stats()
 
 

@@ -5,8 +5,10 @@ runtime"):
   mask      GrammarRuntime.cut_drafts: drafts cut at the first token a grammar refuses (then refit)
   forward   step.run_plan launches the step; prefill chunks that do not complete are committed;
             meanwhile on the host GrammarRuntime.fill / apply mask the guided rows
-  ahead     plain greedy decoding launches the next step before this one's tokens reach the host
-            (lookahead.py; the loop holds it through ``Lookahead``)
+  ahead     decoding whose next tokens are chosen on the device (greedy or seeded sampling, no
+            grammar, processors or penalties) launches the next step before this one's tokens reach
+            the host (lookahead.py), and so does greedy speculation with a drafter that drafts on
+            the device (spec_ahead.py); the loop holds the launched step through ``Lookahead``
   accept    spec_step.decide: processors, penalties, greedy or stochastic acceptance -> Verdicts
   commit    Request.block_end (EOS, stop ids, max_tokens, max_model_len: request.py is the one place
             that decides), the grammar's commit, Request.append_token (stop strings); KDA rollback
@@ -31,13 +33,14 @@ from typing import Any
 
 import torch
 
-from k3trt.runtime import sampling
+from k3trt.runtime import sampling, spec_ahead
 from k3trt.runtime.engine import EngineSession
 from k3trt.runtime.kv_cache import CacheManager
-from k3trt.runtime.lookahead import ArgmaxOnHost, Lookahead
+from k3trt.runtime.lookahead import Lookahead, NextTokens
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import FinishReason, Request, RequestOutput, Status, new_request
 from k3trt.runtime.scheduler import Scheduler, StepPlan
+from k3trt.runtime.spec_ahead import SpecLaunch
 from k3trt.runtime.spec_step import Speculator, Verdict, decide
 from k3trt.runtime.step import Rows, StepOutput, run_plan
 from k3trt.runtime.structured.runtime import GrammarRuntime
@@ -62,6 +65,7 @@ class StepLoop:
         self.requests: dict[str, Request] = {}
         self._touched: dict[str, Request] = {}     # changed since the last emit
         self._num_guided = 0                       # live guided requests: the grammar stages run only then
+        self._spec_ahead = True                    # off once launching a verify step ahead has failed
         self._ids = itertools.count()
         self._seeds = random.Random(seed)
         self.counters: dict[str, Any] = {"steps": 0, "preemptions": 0, "generated_tokens": 0, "launched_ahead": 0,
@@ -130,18 +134,20 @@ class StepLoop:
         launched = self.lookahead.take()      # launched by the previous call, ahead of its tokens
         if launched is not None:
             plan, out = launched.plan, launched.out
+            if isinstance(launched, SpecLaunch):      # its drafts, made on the device, for its acceptance
+                launched.set_drafts()
         else:
             scheduled = self._schedule_and_forward()
             if scheduled is None:
                 return self.emit()
             plan, out = scheduled
-        argmax = None
+        chosen = None
         if self.lookahead.eligible(plan, waiting=bool(self.scheduler.waiting)):
-            # the next step starts from this one's argmax on the device; this one's tokens are
-            # read (and committed) while it runs
-            argmax = ArgmaxOnHost(out.logits)
+            # the next step starts from this one's tokens chosen on the device; they are read
+            # (and committed) while it runs
+            chosen = NextTokens(out.logits, out.rows)
             try:
-                nxt = self.lookahead.launch(plan, argmax)
+                nxt = self.lookahead.launch(plan, chosen)
             except Exception as e:   # this step's tokens still commit; the next step is scheduled normally
                 log.warning("launching the next step ahead failed (%s: %s); stepping synchronously",
                             type(e).__name__, e)
@@ -149,8 +155,31 @@ class StepLoop:
             if nxt is not None:
                 self.count_step(nxt.plan)
                 self.counters["launched_ahead"] += 1
-        self.commit(out.rows, out.logits, argmax.tolist() if argmax is not None else None)
+        elif (spec := self._launch_spec(plan, out)) is not None:
+            chosen = spec.chosen
+        self.commit(out.rows, out.logits, chosen.tolist() if chosen is not None else None,
+                    rolled_back=isinstance(self.lookahead.launched, SpecLaunch))
         return self.emit()
+
+    def _launch_spec(self, plan: StepPlan, out: StepOutput) -> SpecLaunch | None:
+        """Launch the verify step after `plan` on the device's verdict of it (spec_ahead.py), if it can be."""
+        cfg = self.scheduler.config
+        if not self._spec_ahead or not self.spec.enabled or not spec_ahead.eligible(
+                self.session, self.spec.drafter, plan, out, self.cache, waiting=bool(self.scheduler.waiting),
+                checkpoints=cfg.prefix_caching and cfg.hybrid, max_model_len=self.max_model_len, k=self.spec.k):
+            return None
+        try:
+            nxt = self.lookahead.launch_spec(self.spec.drafter, plan, out, [self.spec.limit(r, ahead=1)
+                                                                             for r in plan.decodes])
+        except Exception as e:   # this step commits synchronously, and so do the ones after it
+            log.warning("launching the verify step ahead failed (%s: %s); verify steps run synchronously from "
+                        "now on", type(e).__name__, e)
+            self._spec_ahead = False
+            return None
+        if nxt is not None:
+            self.count_step(nxt.plan)
+            self.counters["launched_ahead"] += 1
+        return nxt
 
     def _schedule_and_forward(self) -> tuple[StepPlan, StepOutput] | None:
         """Schedule a step and launch it; None when nothing could run."""
@@ -206,10 +235,12 @@ class StepLoop:
                 self.counters["capacity_hits"][kind][cap] += 1
 
     # ---------------------------------------------------------------------------- accept + commit
-    def commit(self, rows: list[Rows], logits: torch.Tensor, argmax: list[int] | None = None) -> None:
-        """Acceptance for every request of the step, then each one's commit; the KDA states of
-        requests that kept fewer rows than they verified roll back in one call."""
-        verdicts = decide([r for r in rows if not r.req.finished], logits, self.fault, argmax)
+    def commit(self, rows: list[Rows], logits: torch.Tensor, chosen: list[int] | None = None, *,
+               rolled_back: bool = False) -> None:
+        """Acceptance for every request of the step, then each one's commit (`chosen`: every row's
+        token, already chosen on the device); the KDA states of requests that kept fewer rows than
+        they verified roll back in one call (`rolled_back`: the device did it already)."""
+        verdicts = decide([r for r in rows if not r.req.finished], logits, self.fault, chosen)
         slots, positions = [], []
         for r in rows:
             req = r.req
@@ -221,7 +252,7 @@ class StepLoop:
             except Exception as e:
                 self.fault(req, f"output processing failed: {type(e).__name__}: {e}")
                 continue
-            if kept is not None and kept - 1 < len(req.drafts):
+            if kept is not None and kept - 1 < len(req.drafts) and not rolled_back:
                 slots.append(req.kda_slot)
                 positions.append(kept - 1)     # the KDA state after the last kept row
             req.set_drafts([])
@@ -253,8 +284,8 @@ class StepLoop:
         # cached now: every row but the last kept token's (the verify rows of the token before the
         # block and of the accepted drafts); rows past them belong to rejected drafts
         req.num_computed = base - 1 + len(block)
-        # a step launched ahead writes this request's next position: its block stays
-        self.cache.commit(req, reserve=1 if self.lookahead.holds(req) else 0)
+        # a step launched ahead writes this request's next rows: their blocks stay
+        self.cache.commit(req, reserve=self.lookahead.reserve(req))
         self.spec.committed(req, base - 1, block, hidden, self.fault)
         return None if req.finished else len(block)
 

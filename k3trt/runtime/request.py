@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
+from k3trt.runtime.adaptive_k import KState, k_used_stats
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.structured.runtime import check_guided
 
@@ -57,6 +58,7 @@ class RequestStats:
     accepted: int = 0
     verify_steps: int = 0       # verify steps that had drafts
     accepted_lengths: Counter = field(default_factory=Counter)   # n -> verify steps that accepted n
+    k_used: Counter = field(default_factory=Counter)             # drafts asked for -> steps (adaptive_k.py)
 
     def to_dict(self, output_tokens: int) -> dict[str, Any]:
         end = self.finished or time.perf_counter()
@@ -75,6 +77,7 @@ class RequestStats:
             # tokens emitted per verify step that had drafts (n accepted + the target's token)
             "mean_accepted_length": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None,
             "accepted_length_histogram": {int(n): c for n, c in sorted(self.accepted_lengths.items())},
+            **k_used_stats(self.k_used),
         }
 
 
@@ -121,6 +124,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     draft_q: torch.Tensor | None = None  # [len(drafts), V] the drafts' distribution; None: one-hot
     seed: int | None = None              # the request's seed (sampling and sampled drafts)
+    adaptive: KState | None = None       # its draft-length controller (adaptive_k.py); None: not drafting yet
     guide_future: Future | None = None   # Future[CompiledGuide] until the grammar is compiled
     guided: GuidedState | None = None    # its matcher once it is
     block_hashes: list[bytes] = field(default_factory=list)   # chain hashes of its full blocks

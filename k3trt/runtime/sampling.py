@@ -64,6 +64,12 @@ def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return (p / e).argmax(-1)
 
 
+def choose(x: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The token of each processed row x [R, V]: the argmax, or a draw from the request's generator.
+    The one expression every path uses (synchronous, one step ahead), so they draw alike."""
+    return x.argmax(-1) if params.greedy else draw(probs(x, params), generator)
+
+
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:
     """Per row: the chosen token's logprob and the n most likely tokens' (log_softmax of logits)."""
     lp = torch.log_softmax(logits, dim=-1)
@@ -101,7 +107,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], n
     and acceptance). Processors see the request's generated ids; a processor or penalty that raises
     fails only this request."""
     x = process(logits, params, token_ids, num_prompt)
-    tokens = x.argmax(-1) if params.greedy else draw(probs(x, params), generator)
+    tokens = choose(x, params, generator)
     lps = top_logprobs(x, tokens, params.logprobs) if params.logprobs is not None else None
     return tokens.tolist(), lps
 

@@ -1,7 +1,8 @@
 """Speculative decoding inside the step loop: drafting before the schedule, acceptance after the
 forward. ``StepLoop.step`` (loop.py) strings them together (ARCHITECTURE.md, "One step of the runtime"):
 
-  draft    Speculator.draft(decoding requests): drafter.propose → req.drafts (+ req.draft_q)
+  draft    Speculator.draft(decoding requests): K_r per request (adaptive_k.py: its recent acceptance,
+           within room - 1) → drafter.propose → req.drafts (+ req.draft_q)
   schedule 1 + len(drafts) verify rows per decode (drafts are dropped before anyone is preempted)
   mask     guided requests: drafts cut at the first token the grammar refuses; masks on the rows
   run      verify [last token, *drafts] per request with the KDA state kept after every row
@@ -20,12 +21,14 @@ request's limit or outside the vocabulary are cut there.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from k3trt.runtime import sampling
+from k3trt.runtime.adaptive_k import AdaptiveK, k_used_stats, next_k, update
 from k3trt.runtime.ranks import RankFailure
 from k3trt.runtime.request import Request
 from k3trt.runtime.step import Rows
@@ -46,13 +49,16 @@ class Verdict:
 
 
 class Speculator:
-    """The engine's drafter, K, and the aggregate acceptance counters."""
+    """The engine's drafter, K, the per-request draft length (adaptive_k.py), and the aggregate
+    acceptance counters."""
 
-    def __init__(self, drafter: Drafter, k: int, *, vocab_size: int, max_model_len: int):
+    def __init__(self, drafter: Drafter, k: int, *, vocab_size: int, max_model_len: int, adaptive: bool = True):
         self.drafter, self.k, self.vocab_size, self.max_model_len = drafter, k, vocab_size, max_model_len
         self.enabled = not isinstance(drafter, NoDrafter) and k > 0
+        self.adaptive = AdaptiveK(k_max=max(k, 1), enabled=adaptive)
         self.stats = AcceptanceStats()
         self.proposed = 0          # drafts proposed (before the grammar's cut and the scheduler's drop)
+        self.k_used: Counter = Counter()       # K asked for -> (request, step) pairs
 
     @property
     def needs_hidden(self) -> bool:
@@ -63,9 +69,16 @@ class Speculator:
         has nothing to draft for, so the drafter never tracks it."""
         return self.enabled and req.params.speculative and req.params.max_tokens > 1
 
-    def limit(self, req: Request) -> int:
-        """Most drafts for the request's next step: n accepted + 1 must fit its room (Request.room)."""
-        return max(0, min(self.k, req.room(self.max_model_len) - 1))
+    def limit(self, req: Request, ahead: int = 0) -> int:
+        """Drafts for the request's next step (its controller's K_r, within room - 1: n accepted + 1
+        must fit Request.room); counted in the K-used stats. Called once per step per request;
+        `ahead`: tokens a step not yet committed emits at least (spec_ahead.py)."""
+        if req.adaptive is None:
+            req.adaptive = self.adaptive.start()
+        k, req.adaptive = next_k(req.adaptive, self.adaptive, req.room(self.max_model_len) - ahead)
+        req.stats.k_used[k] += 1
+        self.k_used[k] += 1
+        return k
 
     # ------------------------------------------------------------------------ draft
     def draft(self, reqs: Sequence[Request], fault: Fault) -> None:
@@ -139,6 +152,8 @@ class Speculator:
     # ------------------------------------------------------------------------ stats
     def record(self, req: Request, v: Verdict) -> None:
         if v.num_drafts:
+            if req.adaptive is not None:
+                req.adaptive = update(req.adaptive, self.adaptive, v.num_drafts, v.num_accepted)
             s = req.stats
             s.drafted += v.num_drafts
             s.accepted += v.num_accepted
@@ -148,19 +163,21 @@ class Speculator:
 
     def to_dict(self) -> dict:
         return {"method": self.drafter.name, "spec_tokens": self.k if self.enabled else 0,
-                "proposed_tokens": self.proposed, **self.stats.to_dict(), "drafter": self.drafter.stats()}
+                "adaptive_k": self.enabled and self.adaptive.enabled, "proposed_tokens": self.proposed,
+                **self.stats.to_dict(), **k_used_stats(self.k_used), "drafter": self.drafter.stats()}
 
 
 def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,
-           argmax: list[int] | None = None) -> dict[int, Verdict]:
+           chosen: list[int] | None = None) -> dict[int, Verdict]:
     """Acceptance for every request of the step (keyed by id(req)); logits [R, V] fp32 are the
-    step's rows, already masked by grammars; `argmax`, when given, is their argmax, already on the
-    host. A fault in one request's processors ends only it."""
+    step's rows, already masked by grammars; `chosen`, when given, is every row's token already
+    chosen on the device and copied to the host (lookahead.NextTokens: the argmax, or the request's
+    draw: it is not drawn again). A fault in one request's processors ends only it."""
     out: dict[int, Verdict] = {}
     plain = [r for r in rows if r.req.params.plain]
     if plain:      # argmax only: one batched argmax and one batched acceptance
         # every row (the few non-plain ones too): one sync
-        best = logits.argmax(-1).tolist() if argmax is None else argmax
+        best = logits.argmax(-1).tolist() if chosen is None else chosen
         d, nd = pad_drafts([r.req.drafts for r in plain])
         width = d.shape[1] + 1
         target = torch.tensor([best[r.row0:r.row0 + r.num] + [0] * (width - r.num) for r in plain],
@@ -172,18 +189,21 @@ def decide(rows: Sequence[Rows], logits: torch.Tensor, fault: Fault,
         if id(r.req) in out:
             continue
         try:
-            out[id(r.req)] = _decide_one(r, logits[r.row0:r.row0 + r.num])
+            out[id(r.req)] = _decide_one(r, logits[r.row0:r.row0 + r.num],
+                                         None if chosen is None else chosen[r.row0])
         except Exception as e:
             fault(r.req, f"sampling failed: {type(e).__name__}: {e}")
     return out
 
 
-def _decide_one(r: Rows, rows: torch.Tensor) -> Verdict:
+def _decide_one(r: Rows, rows: torch.Tensor, chosen: int | None = None) -> Verdict:
+    """One request's verdict; `chosen`: its token, already chosen on the device (a row without drafts)."""
     req, p = r.req, r.req.params
     x = sampling.process(rows, p, req.token_ids, req.num_prompt, req.drafts)
-    if not req.drafts:         # plain decoding: exactly sampling.sample's draw
-        t = x.argmax(-1) if p.greedy else sampling.draw(sampling.probs(x, p), req.generator)
-        tokens, n, nd = t.tolist(), 0, 0
+    if chosen is not None and not req.drafts:
+        tokens, n, nd = [chosen], 0, 0
+    elif not req.drafts:         # plain decoding: exactly sampling.sample's draw
+        tokens, n, nd = sampling.choose(x, p, req.generator).tolist(), 0, 0
     else:
         d, num = pad_drafts([req.drafts], device=x.device)
         if p.greedy:

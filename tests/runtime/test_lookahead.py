@@ -6,6 +6,8 @@ go in; the GPU runs the same code under capture (tests/runtime/test_graphs_gpu.p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from runtime_utils import assert_released, prompts
 
@@ -89,3 +91,61 @@ def test_a_failed_launch_ahead_loses_nothing(engine, reference, monkeypatch):
     assert [o.token_ids for o in outs] == want[:2]
     assert llm.stats()["launched_ahead"] == 0
     assert_released(llm)
+
+
+# ------------------------------------------------------------------------------------ sampled
+SAMPLED = [SamplingParams(max_tokens=16, temperature=1.0, seed=3),
+           SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=50, seed=4, logprobs=2),
+           SamplingParams(max_tokens=14),                                  # greedy beside them
+           SamplingParams(max_tokens=12, temperature=1.2, min_p=0.05, seed=5)]
+
+
+def sampled_run(engine, params, *, ahead: bool, arrive_late: bool = False):
+    """The prompts through the static padded steps, one step ahead or synchronously (the same
+    steps, so the logits are the same and only the launch order differs)."""
+    llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=False)
+    llm.loop.lookahead.possible = ahead
+    ps = prompts(11, LENGTHS)
+    if not arrive_late:
+        outs = llm.generate(ps, params)
+    else:     # the last request arrives while a step is ahead
+        ids, done = {}, {}
+        for i in range(3):
+            ids[llm.add_request(ps[i], params[i])] = i
+        for n in range(500):
+            if n == 6:
+                assert not ahead or llm.loop.lookahead.launched is not None
+                ids[llm.add_request(ps[3], params[3])] = 3
+            done.update({ids[o.request_id]: o for o in llm.step() if o.finished})
+            if not llm.has_unfinished():
+                break
+        outs = [done[i] for i in range(4)]
+    assert_released(llm)
+    return llm, outs
+
+
+@pytest.mark.parametrize("arrive_late", [False, True])
+def test_sampled_ahead_equals_synchronous_sampling(engine, arrive_late):
+    """Seeded sampled requests draw their tokens on the device one step ahead, from the same
+    generator stream as the synchronous loop: the same tokens and logprobs, token for token."""
+    sync, want = sampled_run(engine, SAMPLED, ahead=False, arrive_late=arrive_late)
+    llm, got = sampled_run(engine, SAMPLED, ahead=True, arrive_late=arrive_late)
+    assert sync.stats()["launched_ahead"] == 0 and llm.stats()["launched_ahead"] > 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        if w.logprobs is not None:     # a late arrival joins other batch shapes: fp32 rounding apart
+            assert [set(a) for a in g.logprobs] == [set(b) for b in w.logprobs]
+            assert all(abs(a[t] - b[t]) < 1e-4 for a, b in zip(g.logprobs, w.logprobs) for t in a)
+    # the draws are random: another seed gives other tokens (the test can fail)
+    other = [dataclasses.replace(p, seed=p.seed + 1) if p.seed is not None else p for p in SAMPLED]
+    _, moved = sampled_run(engine, other, ahead=True)
+    assert moved[0].token_ids != got[0].token_ids
+
+
+def test_host_side_processing_keeps_the_step_synchronous(engine):
+    """A penalty or a logits processor reads the committed tokens on the host: no step goes ahead."""
+    ps = [SamplingParams(max_tokens=8, temperature=1.0, seed=1, repetition_penalty=1.2),
+          SamplingParams(max_tokens=8, logits_processors=(lambda ids, row: row,))]
+    for p in ps:
+        llm, _ = sampled_run(engine, [p] * 4, ahead=True)
+        assert llm.stats()["launched_ahead"] == 0

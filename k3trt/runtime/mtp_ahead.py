@@ -1,0 +1,143 @@
+"""MTP drafting on the device, for the verify step launched before the host commits the one before
+it (spec_ahead.py). ``MTPAhead`` wraps the engine's ``MTPDrafter``: the host path (propose,
+on_hidden, on_commit, release) is the drafter's own; ``propose_on_device`` drafts from the device's
+verdict of verify step N (n accepted, the bonus token, N's hidden rows) without reading it.
+
+The MTP drafter's step 0 runs its positions valid .. len - 2 with true target hiddens, then chains
+on its own output (mtp.py). After N the history grows by drafts[:n] + [bonus], so for a request
+with committed length L (before N):
+  step 0    positions valid .. L - 2 (hiddens and tokens on the host) and L - 1 .. L - 2 + Q (N's
+            hidden rows 0..Q-1 and tokens where(j < n, drafts[j], bonus)): every position is
+            known on the host, only the last Q rows' inputs come from the device. The first draft
+            comes from the row at L - 1 + n (= len - 2 after N's commit), gathered on the device.
+  chained   draft j + 1 from position L - 1 + n + j: positions, lengths and cache slots on the
+            device (StepContext's dev_positions / dev_seq_lens), one row per request.
+Rows of step 0 past L - 1 + n write MTP cache entries past the true ones; every later step 0
+rewrites from ``valid`` before reading there, as the drafter's own chained entries are. When N's
+hidden rows are handed over (on_hidden, at N's commit), ``valid`` moves to len - 2, as the
+drafter's own propose would have left it. Greedy drafts only (spec_ahead launches greedy requests).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from k3trt.model.context import StepContext
+from k3trt.runtime.request import Request
+from k3trt.runtime.spec_ahead import to_device
+from k3trt.runtime.speculative.draft_model import SeqStep, step_context
+from k3trt.runtime.speculative.drafter import Drafter
+from k3trt.runtime.speculative.mtp import MTPDrafter
+
+
+class MTPAhead(Drafter):
+    """The engine's MTP drafter, drafting on the device too (module doc)."""
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, inner: MTPDrafter):
+        self.inner = inner
+        self.ahead: set[str] = set()      # requests drafted on the device since their last hand-over
+
+    @property
+    def seqs(self) -> dict:
+        return self.inner.seqs
+
+    @property
+    def blind(self) -> set:
+        return self.inner.blind
+
+    # ------------------------------------------------------------------------ the host path
+    def propose(self, inputs, k):
+        return self.inner.propose(inputs, k)
+
+    def on_commit(self, request_id: str, tokens) -> None:
+        self.inner.on_commit(request_id, tokens)
+
+    def on_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        self.inner.on_hidden(request_id, start, hidden)
+        st = self.inner.seqs.get(request_id)
+        if request_id in self.ahead:
+            self.ahead.discard(request_id)
+            if st is not None and st.hidden is not None and len(st.hidden):
+                st.valid, st.hidden = st.known - 1, st.hidden[-1:]
+
+    def release(self, request_id: str) -> None:
+        self.ahead.discard(request_id)
+        self.inner.release(request_id)
+
+    # ------------------------------------------------------------------------ the device path
+    def propose_on_device(self, reqs: Sequence[Request], bonus: torch.Tensor, hidden: torch.Tensor | None,
+                          num_accepted: torch.Tensor, k: Sequence[int]) -> torch.Tensor:
+        d, m = self.inner, self.inner.model
+        K = max(k)
+        out = bonus[:, None].repeat(1, K)          # requests with no MTP state yet: drafts to reject
+        if hidden is None or K == 0:
+            return out
+        Q = hidden.shape[1]
+        live = []                                  # (b, request, its state, host rows)
+        for b, r in enumerate(reqs):
+            st, L = d.seqs.get(r.request_id), len(r.token_ids)
+            if st is None or st.hidden is None or st.known < L - 1 or st.valid >= L - 1:
+                continue
+            if not d.blocks.grow(st.blocks, L - 1 + Q + K, d.block_size):
+                continue
+            live.append((b, r, st, L - 1 - st.valid))
+        if not live:
+            return out
+        bs, dev = d.block_size, d.device
+        steps = [SeqStep(list(r.token_ids[st.valid + 1:]) + [0] * Q, st.valid, st.blocks, 0) for _, r, st, _ in live]
+        starts = [0]
+        for s in steps:
+            starts.append(starts[-1] + len(s.tokens))
+        # host-known indices first, in one pinned copy: the device rows of step 0, each request's
+        # batch row, its first device row, its N drafts (padded), its committed length
+        rows = [starts[i] + mh + j for i, (_, _, _, mh) in enumerate(live) for j in range(Q)]
+        drafts = [(r.drafts + [0] * Q)[:Q] for _, r, _, _ in live]
+        meta = to_device(rows + [b for b, *_ in live] + [starts[i] + mh for i, (*_, mh) in enumerate(live)]
+                         + [t for row in drafts for t in row] + [len(r.token_ids) for _, r, _, _ in live], dev)
+        n_live = len(live)
+        at = 0
+
+        def take(n: int) -> torch.Tensor:
+            nonlocal at
+            at += n
+            return meta[at - n:at]
+        dev_rows, bidx, first, nd = take(n_live * Q), take(n_live), take(n_live), take(n_live * Q).view(n_live, Q)
+        length = take(n_live)
+        n, bon = num_accepted[bidx], bonus[bidx]
+        j = torch.arange(Q, device=dev)
+        toks = torch.where(j[None] < n[:, None], nd, bon[:, None])
+        with torch.inference_mode():
+            ids, ctx = step_context(steps, bs, dev)
+            ids = ids.index_copy(0, dev_rows, toks.reshape(-1))
+            wd = m.lm_head.weight.dtype
+            prev = torch.cat([t for (b, _, st, mh) in live
+                              for t in (st.hidden[:mh].to(wd), m.model.norm(hidden[b].to(dev)).to(wd))])
+            layer = m.model.layers[d.idx]
+            h = layer(m.model.embed_tokens(ids), prev, ctx, d.cache)
+            g = layer.shared_head.norm(h[first + n])
+            tok = m.lm_head(g).float().argmax(-1)
+            drafts_out = [tok]
+            if K > 1:
+                width = max(len(st.blocks) for _, _, st, _ in live)
+                table = to_device([x for _, _, st, _ in live for x in st.blocks + [0] * (width - len(st.blocks))],
+                                  dev).view(n_live, width)
+                pos0 = length - 1 + n
+                for step in range(1, K):
+                    pos = pos0 + step
+                    slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+                    c = StepContext((1,) * n_live, (0,) * n_live, slots, table.to(torch.int32),
+                                    torch.zeros(n_live, dtype=torch.int64, device=dev), dev_positions=pos,
+                                    dev_seq_lens=(pos + 1).to(torch.int32),
+                                    dev_fresh=torch.zeros(n_live, dtype=torch.bool, device=dev))
+                    h = layer(m.model.embed_tokens(tok), g.to(wd), c, d.cache)
+                    g = layer.shared_head.norm(h)
+                    tok = m.lm_head(g).float().argmax(-1)
+                    drafts_out.append(tok)
+            out = out.index_copy(0, bidx, torch.stack(drafts_out, 1))
+        self.ahead.update(r.request_id for _, r, _, _ in live)
+        return out
