@@ -46,9 +46,8 @@ class MTPAhead(Drafter):
     def seqs(self) -> dict:
         return self.inner.seqs
 
-    @property
-    def blind(self) -> set:
-        return self.inner.blind
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
 
     # ------------------------------------------------------------------------ the host path
     def propose(self, inputs, k):
