@@ -4,12 +4,15 @@ GPU rule: a test that needs a CUDA GPU carries the `gpu` marker and nothing else
 it without CUDA (pytest.importorskip stays only for genuinely optional packages)."""
 
 import logging
+import sys
 
+import fake_vision
 import pytest
 import torch
 from runtime_utils import build_tiny_engine
 
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
+import k3trt.runtime.llm as llm_module
 from k3trt.model.loader import load_model
 from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
@@ -58,3 +61,21 @@ def engine(tiny_ckpt, tmp_path_factory):
     """The runtime tests' torch engine dir over tiny_ckpt (fp32; see runtime_utils.build_tiny_engine).
     Tests must not modify it; copy it first."""
     return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("engine") / "engine")
+
+
+@pytest.fixture
+def vision(monkeypatch):
+    """Models loaded by LLM carry a vision tower: the stand-in of tests/fake_vision.py, installed as
+    k3trt.model.vision. Returns that module (its VisionConfig is the model's `cfg.vision`)."""
+    monkeypatch.setitem(sys.modules, "k3trt.model.vision", fake_vision)
+    load = llm_module._load_torch_model
+
+    def load_with_tower(ed, device):
+        model = load(ed, device)
+        vcfg = fake_vision.VisionConfig()
+        object.__setattr__(model.cfg, "vision", vcfg)      # ModelConfig.vision, as the real loader sets it
+        model.vision = fake_vision.VisionEncoder(vcfg, model.cfg.hidden_size).to(device, ed.build.torch_dtype)
+        return model
+
+    monkeypatch.setattr(llm_module, "_load_torch_model", load_with_tower)
+    return fake_vision

@@ -14,8 +14,9 @@ from k3trt.model.context import ModelCache, StepContext
 BLOCK = 16
 
 
-def reference_greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by full recompute: a fresh cache and the whole sequence at every step."""
+def reference_greedy(model, cfg, prompt: list[int], n: int, embeds=None) -> list[int]:
+    """Greedy tokens by full recompute: a fresh cache and the whole sequence at every step.
+    embeds: (rows, values) replacing prompt rows' embeddings (images)."""
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(n):
@@ -25,7 +26,7 @@ def reference_greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
                                         layers=range(cfg.num_hidden_layers))
             ctx = StepContext((T,), (0,), torch.arange(T), torch.arange(nb, dtype=torch.int32)[None],
                               torch.tensor([0]))
-            hidden = model(torch.tensor(ids), ctx, cache)
+            hidden = model(torch.tensor(ids), ctx, cache, embeds=embeds)
             ids.append(int(model.logits(hidden[-1:]).argmax()))
     return ids[len(prompt):]
 
