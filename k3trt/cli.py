@@ -135,15 +135,17 @@ def build_plugins_cmd(arch: str, force: bool) -> None:
 @click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="constrain the output to this EBNF grammar (a file; root rule `root`)")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="an image before the prompt text (with --chat; repeatable, in order)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
 def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, json_schema,
-            regex, grammar, device, as_json) -> None:
+            regex, grammar, device, images, as_json) -> None:
     """Generate from ENGINE_DIR."""
     from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                   device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
-                  regex=regex, grammar=grammar)
+                  regex=regex, grammar=grammar, images=list(images))
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])

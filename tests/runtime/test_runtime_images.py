@@ -9,14 +9,17 @@ import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 from fake_vision import data_url, png
 from runtime_utils import assert_no_leak, assert_released, reference_greedy
 
+from k3trt.cli import main
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.media import ImageIntake, ImageLimits, MediaPrompt
 from k3trt.runtime.params import RequestError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+MEDIA_PAD_ID = 129287                 # <|media_pad|> in the K3 tokenizer
 TEXT = "Look at this picture and describe what you see in it, please:"
 
 
@@ -159,3 +162,24 @@ def test_engines_without_images_refuse_them(engine, tiny_model):
     with pytest.raises(RequestError, match="token ids only"):     # an onnx / TensorRT session
         ImageIntake.open(tiny_model[1], _session(False), ImageLimits()).prepare([1], [png(1)])
     assert ImageIntake.open(None, _session(False), ImageLimits()).prepare([1, 2], []).ids == [1, 2]
+
+
+def test_k3trt_run_chat_with_images(engine, vision, tmp_path):
+    files = []
+    for i, (w, h) in enumerate([(56, 56), (112, 56)]):
+        files.append(tmp_path / f"{i}.png")
+        files[-1].write_bytes(png(20 + i, w, h))
+    args = ["run", str(engine), "-p", "Compare them.", "--chat", "--max-tokens", "5", "--json",
+            "--image", str(files[0]), "--image", str(files[1])]
+    runs = [CliRunner().invoke(main, args) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in runs), runs[0].output
+    a, b = (json.loads(r.output) for r in runs)
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 5
+    assert a["prompt_token_ids"].count(MEDIA_PAD_ID) == 4 + 8
+    one = json.loads(CliRunner().invoke(main, args[:-2]).output)
+    assert one["prompt_token_ids"].count(MEDIA_PAD_ID) == 4
+    r = CliRunner().invoke(main, ["run", str(engine), "-p", "x", "--image", str(files[0])])
+    assert r.exit_code != 0 and "--image needs --chat" in r.output
+    files[0].write_bytes(b"corrupt")
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0 and "images: image 0: cannot decode" in r.output
