@@ -168,8 +168,12 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
+@click.option("--allowed-media-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="image_url file:// paths are read only under this directory (default: none; data: URLs always)")
+@click.option("--max-image-bytes", type=click.IntRange(min=1), default=None,
+              help="an image's size limit in bytes (default 20 MiB)")
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
-              speculative, spec_tokens) -> None:
+              speculative, spec_tokens, allowed_media_dir, max_image_bytes) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
     opts = {"max_batch": max_batch} if max_batch else {}
@@ -177,9 +181,11 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["speculative"] = speculative
     if spec_tokens is not None:
         opts["spec_tokens"] = spec_tokens
+    if max_image_bytes is not None:
+        opts["max_image_bytes"] = max_image_bytes
     try:
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
-                   max_queue=max_queue, engine_options=opts,
+                   max_queue=max_queue, engine_options=opts, allowed_media_dir=allowed_media_dir,
                    **({} if max_prompt_chars is None else {"max_prompt_chars": max_prompt_chars}))
     except (ValueError, NotImplementedError) as e:     # engine options the engine dir cannot run
         raise click.ClickException(str(e)) from None

@@ -86,7 +86,7 @@ def _data_url(url: str, max_bytes: int) -> bytes:
     if not sep or not head.endswith(";base64"):
         raise _bad("a data: URL must be base64 (data:image/png;base64,...)")
     if len(payload) * 3 // 4 > max_bytes + 3:
-        raise _bad(f"the image is over this engine's limit of {max_bytes} bytes")
+        raise _bad(f"the image is over this engine's limit of {max_bytes} bytes (max_image_bytes)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -103,7 +103,8 @@ def _local_file(path: Path, files: FilePolicy, max_bytes: int) -> bytes:
     if not real.is_file():
         raise _bad(f"{path}: no such image file")
     if real.stat().st_size > max_bytes:
-        raise _bad(f"{path} is {real.stat().st_size} bytes; this engine's limit is {max_bytes}")
+        raise _bad(f"{path} is {real.stat().st_size} bytes, over this engine's limit of {max_bytes} bytes "
+                   "(max_image_bytes)")
     return real.read_bytes()
 
 
@@ -130,7 +131,7 @@ def read_source(source: Any, files: FilePolicy, max_bytes: int) -> Any:
     else:
         raise _bad(f"an image must be a PIL image, bytes, a path or a data: URL, got {type(source).__name__}")
     if len(data) > max_bytes:
-        raise _bad(f"the image is {len(data)} bytes; this engine's limit is {max_bytes}")
+        raise _bad(f"the image is {len(data)} bytes, over this engine's limit of {max_bytes} bytes (max_image_bytes)")
     return data
 
 
