@@ -103,19 +103,20 @@ def image_chars(req: ChatRequest) -> int:
                for p in m["content"] if p.get("type") == "image_url")
 
 
-def with_images(sub: Submission, intake: ImageIntake, files: FilePolicy, *, max_model_len: int) -> Submission:
-    """The chat's images read, checked and preprocessed, the prompt widened to their tokens (a thread's
-    work: decoding and resizing); a bad image is a 400 naming `messages`. max_tokens shrinks to what
+def with_images(sub: Submission, intake: ImageIntake, files: FilePolicy, *, max_model_len: int,
+                field: str = "messages") -> Submission:
+    """The images read, checked and preprocessed, the prompt widened to their tokens (a thread's
+    work: decoding and resizing); a bad image is a 400 naming `field`. max_tokens shrinks to what
     the widened prompt leaves, as the runtime would cut it."""
     if not sub.images:
         return sub
     try:
         media = intake.prepare(sub.prompts[0], sub.images, files)
     except RequestError as e:
-        raise bad("messages", e.message) from None
+        raise bad(field, e.message) from None
     n = len(media.ids)
     if n >= max_model_len:
-        raise bad("messages", f"This model's maximum context length is {max_model_len} tokens; the prompt has {n} "
+        raise bad(field, f"This model's maximum context length is {max_model_len} tokens; the prompt has {n} "
                               "with its images", code="context_length_exceeded")
     params = tuple(dataclasses.replace(p, max_tokens=min(p.max_tokens, max_model_len - n)) for p in sub.params)
     return dataclasses.replace(sub, prompts=(tuple(media.ids),), params=params, media=media)
