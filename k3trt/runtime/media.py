@@ -126,7 +126,7 @@ def read_source(source: Any, files: FilePolicy, max_bytes: int) -> Any:
             raise _bad(f"image URL scheme {scheme!r} is not supported (data:, file://)")
         else:
             data = _local_file(Path(source), files, max_bytes)
-    elif hasattr(source, "getdata") and hasattr(source, "mode"):      # a PIL image
+    elif hasattr(source, "tobytes") and hasattr(source, "convert"):     # a PIL image (Pillow comes with the tower)
         return source
     else:
         raise _bad(f"an image must be a PIL image, bytes, a path or a data: URL, got {type(source).__name__}")

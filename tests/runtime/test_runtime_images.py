@@ -61,6 +61,12 @@ def test_a_small_encoder_budget_spreads_images_over_steps(engine, vision):
     images = [png(3, 112, 112), png(4, 112, 112)]               # 16 image tokens each
     want = _reference(llm, _prompt(llm, text, images), GREEDY.max_tokens)
     assert llm.generate({"prompt": text, "images": images}, GREEDY)[0].token_ids == want
+    # two requests that each need the whole budget at once: one waits a step, nobody is preempted
+    pair = [{"prompt": f"<|media_pad|> picture {i}", "images": [png(40 + i, 112, 112)]} for i in range(2)]
+    outs = llm.generate(pair, GREEDY)
+    assert [o.token_ids for o in outs] == [_reference(llm, _prompt(llm, p["prompt"], p["images"]), 6) for p in pair]
+    assert llm.counters["preemptions"] == 0
+    assert_no_leak(llm)
     with pytest.raises(RequestError, match="max_encoder_tokens"):
         _llm(engine, max_encoder_tokens=8).generate({"prompt": text, "images": images}, GREEDY)
 
