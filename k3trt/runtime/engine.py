@@ -8,6 +8,8 @@
     session.hidden                          after a forward of a batch with keep_hidden: its hidden
                                             states [T, hidden] (pre-final-norm, every row; MTP
                                             drafting), else None
+    session.encode_images(pixels, grids)    the vision tower on a step's images (sessions with
+                                            ``takes_embeds``: a prefill Batch may carry ``embeds``)
 
 A verify step holds S requests with 1 + len(drafts) rows each: decode is verify with no drafts.
 ``Batch`` carries the step in the flat token layout of k3trt/model/context.py, on the host, plus
