@@ -228,6 +228,8 @@ class LLM:
     def chat(self, messages: Sequence[dict], sampling_params: ParamsLike = None, *,
              tools: Sequence[dict] | None = None, thinking: bool = True) -> RequestOutput:
         """One chat (OpenAI-style messages; image parts as in runtime/chat.py) to completion."""
+        if self.tokenizer is None:
+            raise RequestError("messages", "chat needs the engine's tokenizer (the engine dir has none)")
         p = chat_prompt(self.tokenizer, messages, tools=tools, thinking=thinking)
         return self.generate([{"prompt": p.ids, "images": p.images}], sampling_params)[0]
 
