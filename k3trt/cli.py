@@ -202,11 +202,13 @@ def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
 @click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="constrain the output to this EBNF grammar (a file; root rule `root`)")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="an image before the prompt text (with --chat; repeatable, in order)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: text, token ids, stats")
 @rank_options
 def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative, spec_tokens, draft_vocab,
-            draft_vocab_counts, adaptive_k, json_schema, regex, grammar, device, as_json, tp, dcp, ep,
-            rank_timeout) -> None:
+            draft_vocab_counts, adaptive_k, json_schema, regex, grammar, device, images, as_json, tp,
+            dcp, ep, rank_timeout) -> None:
     """Generate from ENGINE_DIR (a multi-rank engine: its ranks run in processes of their own)."""
     from k3trt.runtime.llm import run  # noqa: PLC0415 (heavy: torch, model code)
     try:
@@ -216,7 +218,7 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
                   device=device, speculative=speculative, spec_tokens=spec_tokens, adaptive_k=adaptive_k,
                   json_schema=json_schema, regex=regex, grammar=grammar, draft_vocab_size=draft_vocab,
-                  draft_vocab_counts=draft_vocab_counts, **ranks)
+                  draft_vocab_counts=draft_vocab_counts, images=list(images), **ranks)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
@@ -246,10 +248,14 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
                    "default: the tokenizer's merge order)")
 @click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
               help="per-request K from its recent acceptance, up to --spec-tokens")
+@click.option("--allowed-media-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="image_url file:// paths are read only under this directory (default: none; data: URLs always)")
+@click.option("--max-image-bytes", type=click.IntRange(min=1), default=None,
+              help="an image's size limit in bytes (default 20 MiB)")
 @rank_options
 def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, max_prompt_chars, max_batch,
-              speculative, spec_tokens, draft_vocab, draft_vocab_counts, adaptive_k, tp, dcp, ep,
-              rank_timeout) -> None:
+              speculative, spec_tokens, draft_vocab, draft_vocab_counts, adaptive_k, allowed_media_dir,
+              max_image_bytes, tp, dcp, ep, rank_timeout) -> None:
     """Serve ENGINE_DIR over an OpenAI-compatible HTTP API. A multi-rank engine's ranks run in
     processes of their own on this node; under torchrun rank 0 serves and the others are workers."""
     from k3trt.serve import serve_main  # noqa: PLC0415 (optional: serve extras)
@@ -262,12 +268,14 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["draft_vocab_size"], opts["draft_vocab_counts"] = draft_vocab, draft_vocab_counts
     if not adaptive_k:
         opts["adaptive_k"] = False
+    if max_image_bytes is not None:
+        opts["max_image_bytes"] = max_image_bytes
     try:
         opts.update(_rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout))
         if _torchrun_worker(engine_dir, device, opts):
             return
         serve_main(engine_dir, host, port, api_key, model_name=model_name, device=device,
-                   max_queue=max_queue, engine_options=opts,
+                   max_queue=max_queue, engine_options=opts, allowed_media_dir=allowed_media_dir,
                    **({} if max_prompt_chars is None else {"max_prompt_chars": max_prompt_chars}))
     except (ValueError, NotImplementedError) as e:     # engine options the engine dir cannot run
         raise click.ClickException(str(e)) from None

@@ -10,6 +10,7 @@ import torch
 from runtime_utils import build_tiny_engine
 
 import k3trt.plugins  # noqa: F401  (registers torch.ops.k3trt.*)
+import k3trt.model.vision as k3trt_vision
 from k3trt.model.loader import load_model
 from k3trt.model.make_checkpoint import make_checkpoint
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
@@ -58,3 +59,9 @@ def engine(tiny_ckpt, tmp_path_factory):
     """The runtime tests' torch engine dir over tiny_ckpt (fp32; see runtime_utils.build_tiny_engine).
     Tests must not modify it; copy it first."""
     return build_tiny_engine(tiny_ckpt, tmp_path_factory.mktemp("engine") / "engine")
+
+
+@pytest.fixture
+def vision():
+    """The vision API (k3trt.model.vision); the tiny checkpoint's model carries a MoonViT tower."""
+    return k3trt_vision

@@ -3,10 +3,13 @@ full-recompute greedy oracle, and the leak check every runtime test ends with.""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import time
 
 import torch
+from PIL import Image
 
 from k3trt.builder.build import build_engine
 from k3trt.model.context import ModelCache, StepContext
@@ -14,8 +17,9 @@ from k3trt.model.context import ModelCache, StepContext
 BLOCK = 16
 
 
-def reference_greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by full recompute: a fresh cache and the whole sequence at every step."""
+def reference_greedy(model, cfg, prompt: list[int], n: int, embeds=None) -> list[int]:
+    """Greedy tokens by full recompute: a fresh cache and the whole sequence at every step.
+    embeds: (rows, values) replacing prompt rows' embeddings (images)."""
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(n):
@@ -25,7 +29,7 @@ def reference_greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
                                         layers=range(cfg.num_hidden_layers))
             ctx = StepContext((T,), (0,), torch.arange(T), torch.arange(nb, dtype=torch.int32)[None],
                               torch.tensor([0]))
-            hidden = model(torch.tensor(ids), ctx, cache)
+            hidden = model(torch.tensor(ids), ctx, cache, embeds=embeds)
             ids.append(int(model.logits(hidden[-1:]).argmax()))
     return ids[len(prompt):]
 
@@ -95,3 +99,16 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def png(seed: int, width: int = 56, height: int = 56) -> bytes:
+    """A random RGB PNG (test input)."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()

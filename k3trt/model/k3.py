@@ -96,10 +96,15 @@ class K3Model(nn.Module):
             self.output_attn_res_norm = RMSNorm(H, cfg.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(H, 1, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: ModelCache) -> torch.Tensor:
-        """input_ids int64 [T] -> the residual stream after the last layer (before the final norm)."""
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: ModelCache,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids int64 [T] -> the residual stream after the last layer (before the final norm).
+        embeds: (rows int64 [N], values [N, hidden]) replacing those rows' token embeddings (the
+        image embeddings at their placeholders)."""
         cfg = self.cfg
         h = self.embed_tokens(input_ids)
+        if embeds is not None:
+            h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         layers = self.layers[: cfg.num_hidden_layers]
         if not cfg.attn_res_block_size:
             for layer in layers:
@@ -129,9 +134,11 @@ class K3ForCausalLM(nn.Module):
         # after the text modules: their parameters (and random-init draws) come first
         self.vision = VisionEncoder(cfg.vision) if cfg.vision is not None else None
 
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: ModelCache) -> torch.Tensor:
-        """Hidden states [T, hidden] (pre-norm); `logits(hidden[rows])` gives the logits you need."""
-        return self.model(input_ids, ctx, cache)
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: ModelCache,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] (pre-norm); `logits(hidden[rows])` gives the logits you need.
+        embeds: K3Model.forward's image embeddings."""
+        return self.model(input_ids, ctx, cache, embeds)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(self.model.norm(hidden)).float()

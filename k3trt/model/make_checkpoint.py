@@ -22,6 +22,7 @@ from k3trt.model.loader import build_model
 from k3trt.model.presets import PRESETS, preset_config
 from k3trt.model.quant import fp8_quantization_config, mxfp4_quantization_config
 from k3trt.model.weights import checkpoint_tensors, init_random_
+from k3trt.runtime.chat import MEDIA_PAD
 from k3trt.runtime.tokenizer import Tokenizer, write_k3_tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def make_checkpoint(preset: str, out_dir: str | Path, *, seed: int = 0, quant: s
         tok = Tokenizer.from_dir(tmp)
         vocab = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         raw = preset_config(preset, vocab, pad_token_id=tok.pad_token_id)
+        raw["media_placeholder_token_id"] = tok.special_ids[MEDIA_PAD]     # this tokenizer's, not K3's
         cfg = ModelConfig.from_dict(raw)
         log.info("making %s checkpoint: %d layers, vocab %d, seed %d", preset, cfg.num_hidden_layers, vocab, seed)
         model = build_model(cfg, dtype=torch.float32, device=device)

@@ -14,7 +14,11 @@ every element is `<|open|>NAME attrs<|sep|> … <|close|>NAME<|sep|>`, a message
   assistant message; NAME from the message, else from that assistant's i-th call);
 - generation prompt: `<|open|>message role="assistant"<|sep|>` then `<|open|>think<|sep|>` (thinking)
   or `<|open|>response<|sep|>`.
-Only `<|open|>`, `<|sep|>`, `<|close|>` and `<|end_of_msg|>` are special tokens; element names,
+- an image content part (OpenAI `image_url`, or `image` with a PIL image / bytes / path) renders as
+  Kimi K2.5's span `<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`; `chat_prompt`
+  gives the ids with one `<|media_pad|>` per image and the images in that order, and the runtime
+  widens each pad to the image's token count (runtime/media.py).
+Only `<|open|>`, `<|sep|>`, `<|close|>`, `<|end_of_msg|>` and the four media markers are special tokens; element names,
 attributes and bodies are ordinary text. `render_ids` encodes every text part with special tokens
 disallowed, so marker strings inside user or tool text stay plain text and cannot open a tool call.
 The Jinja string cannot keep that distinction (Hugging Face tokenizes its output as one string):
@@ -32,7 +36,11 @@ from typing import Any, Protocol, Sequence
 from k3trt.runtime.xtml import CLOSE, END_OF_MSG, OPEN, SEP
 from k3trt.runtime.xtml_values import escape_attr
 
-CONTROL_TOKENS = (OPEN, SEP, CLOSE, END_OF_MSG)
+# an image in the prompt (Kimi K2.5's markers); MEDIA_PAD is the model's media_placeholder_token_id
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"
+IMAGE_SPAN = f"{MEDIA_BEGIN}image{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
+IMAGE_PART_TYPES = ("image_url", "image")
+CONTROL_TOKENS = (OPEN, SEP, CLOSE, END_OF_MSG, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD)
 TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 TOOLS_FOOTER = "\n```"
 
@@ -47,6 +55,19 @@ class _Encoder(Protocol):
     special_ids: dict[str, int]
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    source: Any     # what the caller gave: a URL string, bytes, a path or a PIL image
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat as the engine takes it: the ids hold one MEDIA_PAD per image (the runtime widens each
+    to the image's token count, runtime/media.py); `images` are the image sources in that order."""
+    ids: list[int]
+    images: list[Any]
 
 
 @dataclass(frozen=True)
@@ -84,23 +105,58 @@ class _Builder:
         self.control(END_OF_MSG)
 
 
-def _content_text(content: Any) -> str:
+def _parts(content: Any) -> list[str | ImagePart]:
+    """A message's content as its text runs and image parts, in order."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, (list, tuple)):
-        texts = []
+        out: list[str | ImagePart] = []
         for part in content:
             if not isinstance(part, dict):
                 raise ValueError(f"message content part must be an object, got {type(part).__name__}")
-            if part.get("type", "text") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
-            if isinstance(part.get("text"), str):
-                texts.append(part["text"])
-        return "".join(texts)
+            kind = part.get("type", "text")
+            if kind in IMAGE_PART_TYPES:
+                out.append(ImagePart(image_source(part)))
+            elif kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (text, image_url, image)")
+            elif isinstance(part.get("text"), str):
+                out.append(part["text"])
+        return out
     raise ValueError(f"message content must be a string, a list of parts or null, got "
                      f"{type(content).__name__}")
+
+
+def _body(b: _Builder, content: Any) -> None:
+    for part in _parts(content):
+        if isinstance(part, ImagePart):
+            b.control(MEDIA_BEGIN)
+            b.text("image")
+            b.control(MEDIA_CONTENT)
+            b.control(MEDIA_PAD)
+            b.control(MEDIA_END)
+        else:
+            b.text(part)
+
+
+def image_source(part: dict) -> Any:
+    """The image of one content part: OpenAI's ``{"type": "image_url", "image_url": {"url": URL}}``
+    (or the URL as a string) or ``{"type": "image", "image": PIL image | bytes | path}``."""
+    if part.get("type") == "image":
+        if part.get("image") is None:
+            raise ValueError("an image content part needs `image` (a PIL image, bytes or a path)")
+        return part["image"]
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise ValueError("an image_url content part needs `image_url.url` (a data: URL or a file path)")
+    return url
+
+
+def image_sources(messages: Sequence[dict]) -> list[Any]:
+    """Every image of the messages, in prompt order (the order the template renders them in)."""
+    return [p.source for m in messages for p in _parts(m.get("content")) if isinstance(p, ImagePart)]
 
 
 def _arg_type(value: Any) -> str:
@@ -154,7 +210,7 @@ def _render_assistant(b: _Builder, message: dict, thinking: bool) -> None:
             b.text(reasoning)
         b.close("think")
     b.open("response")
-    b.text(_content_text(message.get("content")))
+    _body(b, message.get("content"))
     b.close("response")
     calls = message.get("tool_calls") or []
     if calls:
@@ -180,7 +236,7 @@ def render_segments(messages: Sequence[dict], *, tools: Sequence[dict] | None = 
         role = message.get("role")
         if role in ("system", "developer", "user"):
             b.open("message", role="user" if role == "user" else "system", **_name(message))
-            b.text(_content_text(message.get("content")))
+            _body(b, message.get("content"))
             b.end_message()
         elif role == "assistant":
             previous_calls, tool_index = message.get("tool_calls") or [], 0
@@ -195,7 +251,7 @@ def render_segments(messages: Sequence[dict], *, tools: Sequence[dict] | None = 
                 raise ValueError(f"messages[{position}]: a tool message needs `name` or a "
                                  f"preceding assistant tool call")
             b.open("message", role="tool", tool=name, index=tool_index)
-            b.text(_content_text(message.get("content")))
+            _body(b, message.get("content"))
             b.end_message()
         else:
             raise ValueError(f"messages[{position}]: unsupported role {role!r}")
@@ -242,7 +298,9 @@ CHAT_TEMPLATE = "".join([
     '{{ attr("name", m.name) }}{%- endif -%}{%- endmacro -%}',
     '{%- macro end() -%}{{ close("message") ~ "<|end_of_msg|>" }}{%- endmacro -%}',
     '{%- macro body(c) -%}{%- if c is string -%}{{ c }}{%- elif c is iterable and c is not mapping -%}',
-    '{%- for p in c -%}{%- if p.text is defined and p.text is string -%}{{ p.text }}{%- endif -%}',
+    '{%- for p in c -%}{%- if p.type is defined and p.type in ["image_url", "image"] -%}',
+    '{{ "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>" }}',
+    '{%- elif p.text is defined and p.text is string -%}{{ p.text }}{%- endif -%}',
     '{%- endfor -%}{%- endif -%}{%- endmacro -%}',
     '{%- macro argtype(v) -%}{%- if v is boolean -%}boolean{%- elif v is none -%}null',
     '{%- elif v is number -%}number{%- elif v is string -%}string{%- elif v is mapping -%}object',
@@ -364,9 +422,25 @@ def _plain(tokenizer: _Encoder, text: str, markers: Sequence[str]) -> list[int]:
 def chat_ids(tokenizer: _Encoder, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
              thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
     """The prompt as token ids: through the checkpoint's own template when the tokenizer has one
-    (`chat_template`), else the built-in K3 renderer (render_ids)."""
+    (`chat_template`), else the built-in K3 renderer (render_ids). An image part renders as
+    IMAGE_SPAN with one MEDIA_PAD (chat_prompt also gives the images)."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
         return template_ids(tokenizer, template, messages, tools=tools, thinking=thinking,
                             add_generation_prompt=add_generation_prompt)
     return render_ids(tokenizer, messages, tools=tools, thinking=thinking, add_generation_prompt=add_generation_prompt)
+
+
+def chat_prompt(tokenizer: _Encoder, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                thinking: bool = True, add_generation_prompt: bool = True) -> ChatPrompt:
+    """chat_ids and the messages' images in prompt order; a ValueError if the template did not
+    place exactly one MEDIA_PAD per image."""
+    ids = chat_ids(tokenizer, messages, tools=tools, thinking=thinking, add_generation_prompt=add_generation_prompt)
+    images = image_sources(messages)
+    if images:
+        pad = tokenizer.special_ids.get(MEDIA_PAD)
+        placed = ids.count(pad) if pad is not None else 0
+        if placed != len(images):
+            raise ValueError(f"the chat template placed {placed} image placeholders ({MEDIA_PAD}) for "
+                             f"{len(images)} images: this tokenizer or template does not take images")
+    return ChatPrompt(ids, images)

@@ -8,6 +8,8 @@
     session.hidden                          after a forward of a batch with keep_hidden: its hidden
                                             states [T, hidden] (pre-final-norm, every row; MTP
                                             drafting), else None
+    session.encode_images(pixels, grids)    the vision tower on a step's images (sessions with
+                                            ``takes_embeds``: a prefill Batch may carry ``embeds``)
 
 A verify step holds S requests with 1 + len(drafts) rows each: decode is verify with no drafts.
 ``Batch`` carries the step in the flat token layout of k3trt/model/context.py, on the host, plus
@@ -54,6 +56,8 @@ class Batch:
     capacity: int                  # the capacity bucket this step runs at
     save_kda_states: bool = False  # keep the KDA state after every row (verification with drafts)
     keep_hidden: bool = False      # keep every row's hidden state in session.hidden (MTP drafting)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows int64 [N], [N, hidden]): image
+                                   # embeddings replacing those rows' token embeddings (prefill)
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +65,7 @@ class Batch:
 
 
 def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_states: bool = False,
-               keep_hidden: bool = False) -> Batch:
+               keep_hidden: bool = False, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> Batch:
     """Flatten `seqs` into one step (host tensors). Built in numpy and turned into tensors once per
     field: at batch 128 a few torch calls per sequence cost milliseconds a step."""
     n = np.array([len(s.tokens) for s in seqs], dtype=np.int64)
@@ -81,7 +85,7 @@ def make_batch(seqs: list[Seq], block_size: int, *, capacity: int, save_kda_stat
                  slot_mapping=torch.from_numpy(slots), block_table=torch.from_numpy(table),
                  kda_slots=torch.tensor([s.kda_slot for s in seqs], dtype=torch.int64),
                  logit_rows=torch.from_numpy(rows.astype(np.int64)), capacity=capacity,
-                 save_kda_states=save_kda_states, keep_hidden=keep_hidden)
+                 save_kda_states=save_kda_states, keep_hidden=keep_hidden, embeds=embeds)
 
 
 class EngineSession(abc.ABC):
@@ -90,6 +94,7 @@ class EngineSession(abc.ABC):
     plan: CachePlan
     device: torch.device
     hidden: torch.Tensor | None = None
+    takes_embeds: bool = False     # prefill takes Batch.embeds and encode_images runs (image requests)
 
     @abc.abstractmethod
     def prefill(self, batch: Batch) -> torch.Tensor: ...
@@ -103,10 +108,15 @@ class EngineSession(abc.ABC):
     @abc.abstractmethod
     def rollback_kda(self, slots: list[int], positions: list[int]) -> None: ...
 
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        """The vision tower on a step's images: [sum image tokens, hidden] in image order."""
+        raise NotImplementedError(f"{type(self).__name__} runs no vision encoder")
+
 
 class TorchSession(EngineSession):
     """The eager torch backend: the model of k3trt/model run as is, live rows only (graphs.py adds
     the padded static steps and their CUDA graphs)."""
+    takes_embeds = True
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, plan: CachePlan, *, device: torch.device | str,
                  dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0,
@@ -129,14 +139,21 @@ class TorchSession(EngineSession):
         ctx = StepContext(batch.q_lens, batch.ctx_lens, batch.slot_mapping.to(dev), batch.block_table.to(dev),
                           batch.kda_slots.to(dev), batch.save_kda_states)
         logit_rows = batch.logit_rows.to(dev)     # before the forward: after it, the copy would wait for it
+        embeds = None if batch.embeds is None else (batch.embeds[0].to(dev), batch.embeds[1].to(dev))
         with torch.inference_mode():
             ids = batch.input_ids.to(dev) if device_ids is None else device_ids
-            hidden = self.model(ids, ctx, self.cache)
+            hidden = self.model(ids, ctx, self.cache, embeds=embeds)
             self.hidden = hidden if batch.keep_hidden else None
             return self.model.logits(hidden[logit_rows])
 
     def prefill(self, batch: Batch) -> torch.Tensor:
         return self._forward(batch)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        tower = self.model.vision
+        dtype = next(tower.parameters()).dtype
+        with torch.inference_mode():
+            return tower(pixel_values.to(self.device, dtype), grid_thws.to(self.device))
 
     def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """device_ids: the step's token ids already on the device (int64 [T]), used instead of

@@ -169,6 +169,8 @@ class CapacitySession(EngineSession):
 
     def prefill(self, batch: Batch) -> torch.Tensor:
         self._no_hidden(batch)
+        if batch.embeds is not None:      # image requests are refused at submission (media.ImageIntake)
+            raise NotImplementedError("engine graphs take token ids only, not image embeddings")
         ends = {i: sum(batch.q_lens[:i + 1]) - 1 for i in range(len(batch.q_lens))}
         wanted = {int(r): i for i, e in ends.items() for r in batch.logit_rows.tolist() if r == e}
         if len(wanted) != len(batch.logit_rows):

@@ -25,15 +25,18 @@ from dataclasses import dataclass
 import torch
 
 from k3trt.config import ModelConfig
+from k3trt.runtime.media import media_key
 
 log = logging.getLogger(__name__)
 
 
-def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+def block_hash(parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
     """Chain hash of one full block: a collision would silently reuse the wrong cache, so a real
-    digest (not Python's hash())."""
+    digest (not Python's hash()). `extra`: the sha256 of the images whose placeholders it holds
+    (their ids are all alike)."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    h.update(extra)
     return h.digest()
 
 
@@ -263,4 +266,5 @@ class CacheManager:
         bs, hashes = self.block_size, req.block_hashes
         while len(hashes) < n:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None, req.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(block_hash(hashes[-1] if hashes else None, req.token_ids[i * bs:(i + 1) * bs],
+                                     media_key(req, i * bs, (i + 1) * bs)))

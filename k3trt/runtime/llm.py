@@ -8,6 +8,10 @@
     llm = LLM("engine_dir", tp=2, dcp=2, ep=2)   # one process per rank (rank_session.py); llm.health()
     llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
 
+    # images (a model with a vision tower, torch engine dir): one <|media_pad|> per image, in order
+    llm.generate([{"prompt": "<|media_pad|> What is this?", "images": [pil_image_or_bytes_or_path]}])
+    llm.chat([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Hi"}]}])
+
 Raw prompt strings are encoded with special-token strings recognised (as Hugging Face does); use
 k3trt.runtime.chat.chat_ids for chat messages with untrusted text. ``LLM`` builds the engine (an
 engine dir -> session, cache, scheduler, drafter) and is a thin API over its ``StepLoop``
@@ -39,8 +43,10 @@ from k3trt.engine.engine_dir import EngineDir, EngineDirError, read_engine_dir
 from k3trt.runtime.engine import EngineSession, TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
+from k3trt.runtime.chat import chat_prompt
 from k3trt.runtime.loop import StepLoop
 from k3trt.runtime.mtp_ahead import MTPAhead
+from k3trt.runtime.media import ImageIntake, ImageLimits
 from k3trt.runtime.onnx_session import OnnxSession
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.rank_session import open_rank_session, parallel_config, start_ranks
@@ -56,7 +62,7 @@ from k3trt.runtime.trt_session import TrtSession
 
 log = logging.getLogger(__name__)
 
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int], dict]      # dict: {"prompt": str | ids, "images": [...]} (media.py)
 ParamsLike = Union[SamplingParams, dict, None]
 CPU_CACHE_BYTES = 1 << 30
 GPU_CACHE_FRACTION = 0.8      # of the memory free after loading; the rest is for activations
@@ -88,6 +94,9 @@ class EngineOptions:
     dcp_interleave: int | None = None
     rank_timeout_s: float = 300.0         # a collective that takes longer stops a multi-rank engine
     rank_init: Callable[[int], None] | None = None   # run on each worker rank after loading (importable)
+    max_encoder_tokens: int | None = None # image tokens the vision encoder makes per step; None: max_num_tokens
+    max_image_bytes: int = 20 << 20       # an image's encoded size
+    max_image_pixels: int = 1 << 26       # an image's width x height before the resize
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "EngineOptions":
@@ -156,7 +165,7 @@ class LLM:
         verify = run_caps.verify
         self.config = SchedulerConfig(max_num_tokens=max_num_tokens, capacities=run_caps,
                                       max_model_len=self.max_model_len, prefix_caching=opts.prefix_caching,
-                                      hybrid=hybrid)
+                                      hybrid=hybrid, max_encoder_tokens=opts.max_encoder_tokens or max_num_tokens)
         checkpoints = (verify[-1] if opts.kda_checkpoints is None else opts.kda_checkpoints) \
             if hybrid and opts.prefix_caching else 0
         budget = dcp * (opts.kv_cache_memory or (int(torch.cuda.mem_get_info(device)[0] * GPU_CACHE_FRACTION)
@@ -185,9 +194,11 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.cache)
         self.tokenizer, self.eos_ids = _load_tokenizer(tokenizer_dir)
         self.vocab_size = cfg.vocab_size
+        self.images = ImageIntake.open(model, self.session, ImageLimits(
+            opts.max_image_bytes, opts.max_image_pixels, self.config.max_encoder_tokens))
         self.loop = StepLoop(self.session, self.cache, self.scheduler, self.spec, tokenizer=self.tokenizer,
                              eos_ids=self.eos_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                             seed=opts.seed)
+                             seed=opts.seed, images=self.images)
         log.info("runtime on %s: verify capacities %s, prefill capacities %s, max_model_len %d, speculative %s "
                  "(K=%d), CUDA graphs %s", device, list(verify), list(run_caps.prefill),
                  self.max_model_len, method, k, "on" if graphs else "off")
@@ -271,8 +282,16 @@ class LLM:
         done = {o.index: o for o in self.stream(prompts, sampling_params) if o.finished}
         return [done[i] for i in sorted(done)]
 
+    def chat(self, messages: Sequence[dict], sampling_params: ParamsLike = None, *,
+             tools: Sequence[dict] | None = None, thinking: bool = True) -> RequestOutput:
+        """One chat (OpenAI-style messages; image parts as in runtime/chat.py) to completion."""
+        if self.tokenizer is None:
+            raise RequestError("messages", "chat needs the engine's tokenizer (the engine dir has none)")
+        p = chat_prompt(self.tokenizer, messages, tools=tools, thinking=thinking)
+        return self.generate([{"prompt": p.ids, "images": p.images}], sampling_params)[0]
+
     def _make_requests(self, prompts, sampling_params) -> list[Request]:
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, (str, dict)) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, (list, tuple)):

@@ -3,7 +3,8 @@ runtime"):
 
   schedule  attach compiled grammars; Speculator.draft (drafts before the schedule); Scheduler.schedule
   mask      GrammarRuntime.cut_drafts: drafts cut at the first token a grammar refuses (then refit)
-  forward   step.run_plan launches the step; prefill chunks that do not complete are committed;
+  forward   media.encode runs the vision encoder on the plan's images; step.run_plan launches the step
+            (image embeddings in their placeholders' rows); prefill chunks that do not complete are committed;
             meanwhile on the host GrammarRuntime.fill / apply mask the guided rows
   ahead     decoding whose next tokens are chosen on the device (greedy or seeded sampling, no
             grammar, processors or penalties) launches the next step before this one's tokens reach
@@ -37,6 +38,7 @@ from k3trt.runtime import sampling, spec_ahead
 from k3trt.runtime.engine import EngineSession
 from k3trt.runtime.kv_cache import CacheManager
 from k3trt.runtime.lookahead import Lookahead, NextTokens
+from k3trt.runtime.media import ImageIntake, encode, release_passed, split_prompt
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.request import FinishReason, Request, RequestOutput, Status, new_request
 from k3trt.runtime.scheduler import Scheduler, StepPlan
@@ -53,8 +55,9 @@ class StepLoop:
     """The live requests of one engine and the step that moves them (module doc)."""
 
     def __init__(self, session: EngineSession, cache: CacheManager, scheduler: Scheduler, spec: Speculator, *,
-                 tokenizer: Any, eos_ids: frozenset[int], vocab_size: int, max_model_len: int, seed: int):
-        self.session, self.cache, self.scheduler, self.spec = session, cache, scheduler, spec
+                 tokenizer: Any, eos_ids: frozenset[int], vocab_size: int, max_model_len: int, seed: int,
+                 images: ImageIntake):
+        self.session, self.cache, self.scheduler, self.spec, self.images = session, cache, scheduler, spec, images
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         cfg = scheduler.config
@@ -74,10 +77,13 @@ class StepLoop:
     # ---------------------------------------------------------------------------- requests
     def new_request(self, prompt: Any, params: SamplingParams | dict | None, index: int,
                     request_id: str | None) -> Request:
-        """A checked request (RequestError names the field) with its RNG, detokenizer and, for a
-        guided one, its grammar compiling off the loop (the request waits for it)."""
+        """A checked request (RequestError names the field) with its RNG, detokenizer, images
+        (media.split_prompt) and, for a guided one, its grammar compiling off the loop (the request
+        waits for it)."""
+        prompt, images = split_prompt(prompt, self.images, self.tokenizer)
         req = new_request(prompt, params, index=index, request_id=request_id or f"req-{next(self._ids)}",
                           tokenizer=self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        req.images = images
         if not req.params.greedy:
             req.seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(63)
             req.generator = sampling.make_generator(req.seed, self.session.device)
@@ -118,6 +124,7 @@ class StepLoop:
             req.guided.release()
         req.generator = req.detokenizer = req.guided = req.guide_future = None
         req.set_drafts([])
+        req.image_embeds.clear()
         if self.requests.pop(req.request_id, None) is not None:
             self._num_guided -= req.params.guided is not None
         self._touched[req.request_id] = req
@@ -217,10 +224,13 @@ class StepLoop:
         return plan, out
 
     def forward(self, plan: StepPlan) -> StepOutput:
-        """Run the step; prefill chunks that do not complete their prompt are committed here."""
+        """Run the step (the vision encoder first, on the plan's images); prefill chunks that do not
+        complete their prompt are committed here."""
+        encode(self.session, plan.encodes)
         out = run_plan(self.session, plan, block_size=self.cache.block_size, keep_hidden=self.spec.needs_hidden)
         self.count_step(plan)
         for c, hidden in zip(plan.prefills, out.chunk_hidden):
+            release_passed(c.req, c.start + c.num_tokens)
             self.spec.on_prefill(c.req, c.start, hidden, self.fault)
             if not c.completes and not c.req.finished:     # a completing chunk moves at its commit
                 c.req.num_computed += c.num_tokens

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k3trt.runtime.chat import chat_ids
+from k3trt.runtime.chat import chat_prompt
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.xtml import reasoning_open
@@ -22,21 +22,26 @@ from k3trt.runtime.xtml import reasoning_open
 def run(engine_dir: str | Path, prompt: str, *, chat: bool = False, max_tokens: int = 64,
         temperature: float = 0.0, seed: int | None = None, device: str = "cpu", speculative: str = "none",
         json_schema: dict | str | Path | None = None, regex: str | None = None, grammar: str | Path | None = None,
-        **options: Any) -> dict[str, Any]:
+        images: list[Any] | None = None, **options: Any) -> dict[str, Any]:
     """One prompt through a fresh engine: what `k3trt run ... --json` prints (its `text` is what the
     plain `k3trt run` prints). `chat` wraps the prompt as one user message (K3 chat template, thinking
     on). At most one of `json_schema` (a schema, its JSON text or a file), `regex`, `grammar` (EBNF
     text or a file) constrains the output (JSON in its compact layout: a sampled model cannot pad it
-    with whitespace forever); with `chat` the grammar starts after the reasoning."""
+    with whitespace forever); with `chat` the grammar starts after the reasoning. `images` (with `chat`): image
+    parts before the prompt text, in order (paths, bytes or PIL images)."""
     given = {k: v for k, v in dict(json_schema=json_schema, regex=regex, grammar=grammar).items() if v is not None}
     if len(given) > 1:
         raise ValueError(f"give at most one of --json-schema, --regex, --grammar; got {', '.join(given)}")
+    if images and not chat:
+        raise ValueError("--image needs --chat (the chat template places the image)")
     llm = LLM(engine_dir, device=device, speculative=speculative, **options)
     try:
         if chat:
             if llm.tokenizer is None:
                 raise ValueError("--chat needs the engine's tokenizer; this engine dir has none")
-            prompt = chat_ids(llm.tokenizer, [{"role": "user", "content": prompt}])
+            parts = [*({"type": "image", "image": im} for im in images or ()), {"type": "text", "text": prompt}]
+            p = chat_prompt(llm.tokenizer, [{"role": "user", "content": parts}])
+            prompt = {"prompt": p.ids, "images": p.images} if p.images else p.ids
         guided = None
         if given:
             (key, value), = given.items()

@@ -1,7 +1,7 @@
 """One request's record: its tokens, where its cache lives, its sampler state, its text, its stats.
 
 Everything a request owns (cache blocks, KDA slot, RNG, detokenizer, drafts and the drafter's
-state for it, grammar matcher) hangs off this record and is released by ``StepLoop.finish`` in one
+state for it, grammar matcher, image embeddings) hangs off this record and is released by ``StepLoop.finish`` in one
 place, however the request ends. ``new_request`` checks a submission (errors name the field).
 When a request ends is decided here and nowhere else: ``room`` is the one reading of max_tokens
 and max_model_len, ``block_end`` cuts an emitted block at EOS / stop ids / that room, and
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 
 from k3trt.runtime.adaptive_k import KState, k_used_stats
+from k3trt.runtime.media import ImageInput
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.structured.runtime import check_guided
 
@@ -128,6 +129,8 @@ class Request:
     guide_future: Future | None = None   # Future[CompiledGuide] until the grammar is compiled
     guided: GuidedState | None = None    # its matcher once it is
     block_hashes: list[bytes] = field(default_factory=list)   # chain hashes of its full blocks
+    images: tuple[ImageInput, ...] = ()  # its images' pixels, grids, hashes and placeholder spans
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)   # image -> encoder rows, until prefilled
     num_registered: int = 0             # leading blocks registered in the prefix cache
     # output
     text: str = ""

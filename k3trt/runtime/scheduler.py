@@ -8,7 +8,9 @@ Policy (FCFS throughout; older requests never wait for newer ones):
   2. prefill chunks for running requests that are still in their prompt (a chunk that gets no
      block at all preempts newer requests not yet in the step), then admission of waiting
      requests (a KDA slot, prefix-cache hit, blocks for the first chunk), under the step's token
-     budget (``max_num_tokens``, decode rows count first) and the largest prefill capacity. The
+     budget (``max_num_tokens``, decode rows count first) and the largest prefill capacity. A chunk
+     that reaches an image not yet encoded takes its image tokens from the step's encoder budget
+     (``max_encoder_tokens``; the plan's ``encodes``) or ends before the image. The
      first ready request of the queue blocks the ones behind it (a request whose grammar is still
      compiling is not ready and is passed over); admission never preempts.
 Chunk ends fall on block boundaries when the prompt goes on (and, for the hybrid model with prefix
@@ -42,6 +44,7 @@ class SchedulerConfig:
     max_model_len: int
     prefix_caching: bool = True
     hybrid: bool = True                    # the model has KDA layers (checkpoint chunk ends)
+    max_encoder_tokens: int = 0            # image tokens the vision encoder makes per step
 
     def __post_init__(self) -> None:
         self.capacities.check_budget(self.max_num_tokens)
@@ -73,6 +76,8 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)     # each with 1 + len(drafts) rows
     prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    encodes: list[tuple[Request, int]] = field(default_factory=list)   # (request, image) to encode first
+    encoder_tokens: int = 0
     verify_capacity: int | None = None
     prefill_capacity: int | None = None
 
@@ -135,7 +140,8 @@ class Scheduler:
             took = self._chunk(req, prefill_budget, plan)
             # no block for even part of the chunk: newer requests not in this step make room
             # (otherwise prefills that each hold part of the pool could wait on each other forever)
-            while not took and (victim := self._unscheduled_newer(req, plan)) is not None:
+            while not took and not self._waits_for_encoder(req, plan) and \
+                    (victim := self._unscheduled_newer(req, plan)) is not None:
                 self.preempt(victim, plan)
                 took = self._chunk(req, prefill_budget, plan)
             prefill_budget -= took
@@ -163,6 +169,7 @@ class Scheduler:
         """Drop requests that ended after the schedule (e.g. a grammar fault) and re-pick capacities."""
         plan.decodes = [r for r in plan.decodes if not r.finished]
         plan.prefills = [c for c in plan.prefills if not c.req.finished]
+        plan.encodes = [(r, i) for r, i in plan.encodes if not r.finished]
         cfg = self.config
         plan.verify_capacity = pick(cfg.capacities.verify, len(plan.decodes), "verify") if plan.decodes else None
         plan.prefill_capacity = pick(cfg.capacities.prefill, sum(c.num_tokens for c in plan.prefills),
@@ -172,6 +179,8 @@ class Scheduler:
         """Schedule the next prompt chunk of `req` within `budget` tokens; returns its size (0: none fit)."""
         bs, start, total = self.cache.block_size, req.num_computed, len(req.token_ids)
         end = min(total, start + budget)
+        if req.images:
+            end = self._encoder_end(req, start, end, plan)
         if self.config.prefix_caching:
             if end < total and end - end % bs > start:
                 end -= end % bs                          # checkpoints only exist at block boundaries
@@ -182,10 +191,31 @@ class Scheduler:
             end = max(start, (self.cache.blocks_for(end) - 1) * bs)
         if end == start:
             return 0
+        for i, im in enumerate(req.images):
+            if im.offset < end and im.end > start and i not in req.image_embeds:
+                plan.encodes.append((req, i))
+                plan.encoder_tokens += im.num_tokens
         plan.prefills.append(Chunk(req, start, end - start))
         if req.stats.first_scheduled is None:
             req.stats.first_scheduled = time.perf_counter()
         return end - start
+
+    def _encoder_end(self, req: Request, start: int, end: int, plan: StepPlan) -> int:
+        """`end`, cut before the first image in [start, end) that still needs the encoder and does
+        not fit what is left of the step's encoder budget."""
+        left = self.config.max_encoder_tokens - plan.encoder_tokens
+        for i, im in enumerate(req.images):
+            if im.end <= start or im.offset >= end or i in req.image_embeds:
+                continue
+            if im.num_tokens > left:
+                return max(start, im.offset)
+            left -= im.num_tokens
+        return end
+
+    def _waits_for_encoder(self, req: Request, plan: StepPlan) -> bool:
+        """Its next token is an image placeholder the encoder has no budget for in this step (not a
+        reason to preempt anyone: the next step has the budget)."""
+        return bool(req.images) and self._encoder_end(req, req.num_computed, req.num_computed + 1, plan) == req.num_computed
 
     def _unscheduled_newer(self, req: Request, plan: StepPlan) -> Request | None:
         busy = {id(r) for r in plan.decodes} | {id(c.req) for c in plan.prefills}
@@ -202,6 +232,7 @@ class Scheduler:
         self.running.remove(req)
         self.cache.free(req)
         req.set_drafts([])
+        req.image_embeds.clear()
         req.status = Status.WAITING
         req.stats.preemptions += 1
         self.waiting.appendleft(req)

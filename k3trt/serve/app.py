@@ -26,8 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from k3trt.runtime.media import UNTRUSTED, FilePolicy
 from k3trt.serve import metrics
-from k3trt.serve.adapt import Submission, chat_submission, completion_submission
+from k3trt.serve.adapt import Submission, chat_submission, completion_submission, image_chars, with_images
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, engine_health, finish_unless
 from k3trt.serve.guided import compile_guided
 from k3trt.serve.output import ChoiceStream, Update
@@ -52,6 +53,7 @@ class ServerState:
     max_prompt_chars: int | None = None
     max_body_bytes: int = 64 << 20
     prompts: PromptWorkers | None = None     # None: made from the LLM's tokenizer
+    files: FilePolicy = UNTRUSTED            # which local files image_url file:// may name
     owns_llm: bool = False          # built by the server: closed with it
 
 
@@ -65,7 +67,7 @@ class Run:
                         for i in range(len(params))}
         self.live, self.closed = set(self.streams), False
         for i, (r, p) in enumerate(zip(self.streams, params)):
-            self.engine.submit(r, list(sub.prompt_of(i)), p, self.queue)
+            self.engine.submit(r, sub.media or list(sub.prompt_of(i)), p, self.queue)
 
     async def updates(self) -> AsyncIterator[tuple[ChoiceStream, Update]]:
         while self.live:
@@ -143,11 +145,12 @@ async def _completions(request: Request, chat: bool) -> Response:
     if st.engine.unavailable:
         raise _unavailable(st.engine.unavailable)
     if chat:        # the body's size stands in for the prompt's: it bounds it
-        sub = await st.prompts.plan(chat_submission, len(raw), req, llm.tokenizer, max_model_len=llm.max_model_len,
+        sub = await st.prompts.plan(chat_submission, len(raw) - image_chars(req), req, llm.tokenizer, max_model_len=llm.max_model_len,
                                     json_max_whitespace=st.json_max_whitespace)
     else:
         sub = await st.prompts.plan(completion_submission, len(raw), req, llm.tokenizer, vocab_size=llm.vocab_size,
                                     max_model_len=llm.max_model_len, json_max_whitespace=st.json_max_whitespace)
+    sub = await asyncio.to_thread(with_images, sub, llm.images, st.files, max_model_len=llm.max_model_len)
     n = len(sub.params)
     if n > st.engine.max_pending:     # would never fit: not worth a retry
         raise APIError(400, f"{n} choices exceed this server's limit of {st.engine.max_pending}", param="n")

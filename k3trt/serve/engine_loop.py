@@ -153,7 +153,7 @@ class EngineLoop:
             try:
                 self.llm.add_request(prompt, params, request_id=rid)
                 self._sinks[rid] = sink
-                self._totals["prompt_tokens"] += len(prompt)
+                self._totals["prompt_tokens"] += len(getattr(prompt, "ids", prompt))     # a MediaPrompt
             except Exception as e:       # validated before submission: a server bug, or a stopped engine
                 log.exception("add_request %s failed", rid)
                 self._check_health()

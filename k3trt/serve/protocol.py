@@ -171,7 +171,7 @@ def check_body(data: Any, max_prompt_chars: int | None = None) -> None:
             stack.extend((v, (*loc, i), depth + 1) for i, v in enumerate(value))
         elif isinstance(value, str):
             _text_ok(value, loc)
-            if loc[:1] and loc[0] in PROMPT_FIELDS:
+            if loc[:1] and loc[0] in PROMPT_FIELDS and "image_url" not in loc:    # images: the byte limit
                 chars += len(value)
         elif isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
             raise bad(param_of(loc), f"Invalid value for '{param_of(loc)}': {value} is outside the 64-bit "
@@ -248,11 +248,17 @@ def _check_prompt(prompt: Any) -> None:
         raise bad("prompt", "prompt must be a non-empty string, a list of token ids, or a list of those")
 
 
+def _part_ok(p: Any) -> bool:
+    if not isinstance(p, dict):
+        return False
+    if p.get("type") == "image_url":
+        ref = p.get("image_url")
+        return isinstance(ref, dict) and isinstance(ref.get("url"), str) and ref["url"] != ""
+    return p.get("type", "text") == "text" and isinstance(p.get("text"), str)
+
+
 def _content_ok(content: Any) -> bool:
-    if isinstance(content, str):
-        return True
-    return isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str) for p in content)
+    return isinstance(content, str) or isinstance(content, list) and all(map(_part_ok, content))
 
 
 def _check_messages(messages: list[Any]) -> None:
@@ -267,7 +273,8 @@ def _check_messages(messages: list[Any]) -> None:
             raise bad(f"{at}.role", f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}")
         content = m.get("content")
         if not (_content_ok(content) or (content is None and role == "assistant")):
-            raise bad(f"{at}.content", f"{at}.content must be a string or a list of text parts")
+            raise bad(f"{at}.content", f"{at}.content must be a string or a list of text and image_url parts "
+                                       "(image_url.url a data: URL)")
         for key in ("name", "reasoning_content", "tool_call_id"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise bad(f"{at}.{key}", f"{at}.{key} must be a string")

@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from k3trt.runtime.llm import LLM
+from k3trt.runtime.media import FilePolicy
 from k3trt.serve.app import ServerState, create_app
 from k3trt.serve.engine_loop import EngineLoop
 from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
+
+BODY_IMAGES = 8       # images at the byte limit, as data URLs, that the default body limit leaves room for
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class ServeConfig:
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS       # prompt text (messages, tools, prompt) refused past it, untokenized
     max_body_bytes: int | None = None        # None: room for max_prompt_chars, every one \u-escaped
     engine_options: dict[str, Any] = field(default_factory=dict)   # LLM(**options): max_batch, speculative,
-                                                                    # spec_tokens, ...
+                                                                    # spec_tokens, max_image_bytes, ...
+    allowed_media_dir: str | Path | None = None   # image_url file:// paths only under it; None: data: URLs only
     log_level: str = "info"
 
 
@@ -47,9 +51,12 @@ def build_app(cfg: ServeConfig, llm: Any = None):
         raise ValueError(f"{cfg.engine_dir}: the engine dir has no tokenizer; the server needs one")
     engine = EngineLoop(llm, max_pending=llm.config.max_batch + cfg.max_queue)
     name = cfg.model_name or Path(cfg.engine_dir).resolve().name
-    body = cfg.max_body_bytes or 12 * cfg.max_prompt_chars + (1 << 20)   # 12: a \uXXXX\uXXXX pair per char
+    # 12: a \uXXXX\uXXXX pair per char; image data URLs (base64: 4/3) are not prompt characters
+    body = cfg.max_body_bytes or 12 * cfg.max_prompt_chars + (1 << 20) + \
+        BODY_IMAGES * (llm.images.limits.max_image_bytes * 4 // 3 + 64)
+    files = FilePolicy(local=False, allowed_dir=None if cfg.allowed_media_dir is None else Path(cfg.allowed_media_dir))
     st = ServerState(llm, engine, name, cfg.api_key, cfg.json_max_whitespace, cfg.retry_after_s, int(time.time()),
-                     max_prompt_chars=cfg.max_prompt_chars, max_body_bytes=body, owns_llm=owns)
+                     max_prompt_chars=cfg.max_prompt_chars, max_body_bytes=body, owns_llm=owns, files=files)
     return create_app(st)
 
 

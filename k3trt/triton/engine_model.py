@@ -33,6 +33,8 @@ from k3trt.serve import metrics
 from k3trt.serve.app import Run
 from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
 from k3trt.runtime.params import RequestError
+from k3trt.runtime.media import UNTRUSTED
+from k3trt.serve.adapt import with_images
 from k3trt.serve.guided import compile_guided
 from k3trt.serve.prompts import LARGE_PROMPT_CHARS, PromptWorkers
 from k3trt.serve.protocol import DEFAULT_MAX_PROMPT_CHARS, APIError, bad
@@ -154,6 +156,12 @@ class EngineModel:
         try:
             if job is None:
                 job, params = await self._prepare_later(checked, size)
+            if job.submission.images:       # decoded and resized off the event loop
+                with _refusal():
+                    sub = await asyncio.to_thread(with_images, job.submission, self.llm.images, UNTRUSTED,
+                                                  max_model_len=self.llm.max_model_len, field="images")
+                job, params = dataclasses.replace(job, submission=sub), [
+                    dataclasses.replace(p, max_tokens=q.max_tokens) for p, q in zip(params, sub.params)]
             self.engine.admit(len(params))
             admitted = True
             # Run needs only .engine and .llm of the server's state

@@ -11,6 +11,7 @@ regex.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class Checked:
     chat: bool
     regex: str | None                 # guided_regex: swapped in for the json_object placeholder
     stream: bool
+    images: tuple[bytes, ...] = ()    # text_input's images (one <|media_pad|> each); chat's are in its messages
 
 
 def parse(raw: Mapping[str, np.ndarray], tokenizer: Any, *, model: str, max_model_len: int, vocab_size: int,
@@ -71,6 +73,7 @@ def check(raw: Mapping[str, np.ndarray], *, model: str, max_prompt_chars: int | 
     if stops:
         body["stop"] = stops
     schema, regex = one("guided_json"), one("guided_regex")
+    images = tuple(_bytes(v) for v in raw["images"].reshape(-1)) if "images" in raw else ()
     if schema is not None and regex is not None:
         raise bad("guided_regex", "give at most one of guided_json and guided_regex")
     if schema is not None:
@@ -80,7 +83,7 @@ def check(raw: Mapping[str, np.ndarray], *, model: str, max_prompt_chars: int | 
         body["response_format"] = {"type": "json_object"}      # a placeholder: swapped for the regex in `plan`
     try:
         if messages is not None:
-            body["messages"] = _json(messages, "messages")
+            body["messages"] = _with_image_parts(_json(messages, "messages"), images)
             if (tools := one("tools")) is not None:
                 body["tools"] = _json(tools, "tools")
             if (choice := one("tool_choice")) is not None:
@@ -93,7 +96,7 @@ def check(raw: Mapping[str, np.ndarray], *, model: str, max_prompt_chars: int | 
         if given:
             raise bad(given[0], f"{given[0]} needs messages (chat), not text_input")
         return Checked(validate(CompletionRequest, {**body, "prompt": text}, max_prompt_chars), False, regex,
-                       bool(one("stream")))
+                       bool(one("stream")), images)
     except APIError as e:
         raise _renamed(e, "guided_json" if regex is None else "guided_regex") from None
 
@@ -113,7 +116,28 @@ def plan(checked: Checked, tokenizer: Any, *, max_model_len: int, vocab_size: in
         raise _renamed(e, "guided_json" if checked.regex is None else "guided_regex") from None
     if checked.regex is not None:
         sub = dataclasses.replace(sub, guided=tuple(_with_regex(spec, checked.regex) for spec in sub.guided))
+    if checked.images:
+        sub = dataclasses.replace(sub, images=checked.images)
     return Job(sub, checked.stream)
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _with_image_parts(messages: Any, images: tuple[bytes, ...]) -> Any:
+    """The messages with `images` (as data URL parts) opening the last user message's content."""
+    if not images:
+        return messages
+    last = next((i for i in range(len(messages) - 1, -1, -1) if isinstance(messages, list)
+                 and isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
+    if last is None:
+        raise bad("images", "images need a user message in messages to open")
+    content = messages[last].get("content")
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    parts = [{"type": "image_url", "image_url": {"url": "data:image;base64," + base64.b64encode(b).decode()}}
+             for b in images]
+    return [*messages[:last], {**messages[last], "content": parts + text}, *messages[last + 1:]]
 
 
 class _Reader:

@@ -2,7 +2,10 @@
 config.pbtxt, the model reads requests and writes responses by the same names.
 
 Every input is optional (a request brings `text_input` or `messages`) and carries one element
-(dims [1]), except `stop`, which carries one string per stop sequence (dims [-1]). There is no
+(dims [1]), except `stop`, which carries one string per stop sequence, and `images`, one encoded
+image (PNG, JPEG, WebP, ... bytes) per element (both dims [-1]). Images go where a `text_input`
+holds `<|media_pad|>`, one per image in order; with `messages` they open the last user message's
+content, in order (an `image_url` data URL part in `messages` works as on the OpenAI server). There is no
 Triton batch dimension (max_batch_size 0): k3trt batches in flight itself, so each request is
 one prompt. STRING is Triton's BYTES (UTF-8 text); JSON-valued tensors hold JSON text.
 """
@@ -37,6 +40,7 @@ INPUTS = (
     Tensor("frequency_penalty", "FP32"),
     Tensor("seed", "INT64"),
     Tensor("stop", "STRING", (-1,), doc="stop strings, one per element"),
+    Tensor("images", "STRING", (-1,), doc="encoded images, one per element (module doc: where they go)"),
     Tensor("guided_json", "STRING", doc="a JSON schema the output must match"),
     Tensor("guided_regex", "STRING", doc="a regular expression the output must match"),
     Tensor("speculative", "BOOL", doc="false: this request is never drafted for"),

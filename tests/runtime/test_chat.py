@@ -9,7 +9,10 @@ import pytest
 from k3trt.runtime.chat import (
     CHAT_TEMPLATE,
     CONTROL_TOKENS,
+    IMAGE_SPAN,
+    MEDIA_PAD,
     chat_ids,
+    chat_prompt,
     render,
     render_ids,
     render_segments,
@@ -121,8 +124,8 @@ def test_errors():
         render([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match=r"messages\[0\]: a tool message needs"):
         render([{"role": "tool", "content": "x"}])
-    with pytest.raises(ValueError, match="content part type 'image_url' is not supported"):
-        render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="content part type 'input_audio' is not supported"):
+        render([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}])
 
 
 # ---- the Jinja string in tokenizer_config.json --------------------------------------------------
@@ -151,6 +154,10 @@ JINJA_CASES = [
     ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}},
                                                           {"name": "g", "arguments": {"k": "v"}}]},
       {"role": "tool", "content": "r1"}, {"role": "tool", "name": "explicit", "content": "r2"}], TOOLS),
+    ([{"role": "user", "content": [{"type": "text", "text": "Compare "},
+                                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                   {"type": "text", "text": " and <|media_pad|>"},
+                                   {"type": "image", "image": b"raw"}]}], []),
 ]
 
 
@@ -197,3 +204,33 @@ def test_checkpoint_template_is_sandboxed(tok):
         template_ids(tok, "{{ messages.__class__.__mro__[1].__subclasses__() }}", [{"role": "user", "content": "x"}])
     with pytest.raises(ValueError, match="chat template: no"):
         template_ids(tok, "{{ raise_exception('no') }}", [])
+
+
+# ---- images ---------------------------------------------------------------------------------------
+def test_image_parts_render_the_k25_span_and_come_back_in_order(tok):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:a"}},
+                                         {"type": "text", "text": "what <|media_pad|>?"}]},
+            {"role": "assistant", "content": "a cat"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": "file:///x.png"}]}]
+    assert render(msgs).count(IMAGE_SPAN) == 2
+    p = chat_prompt(tok, msgs)
+    assert p.images == ["data:a", "file:///x.png"]
+    pad = tok.special_ids[MEDIA_PAD]
+    assert p.ids.count(pad) == 2           # the marker string in user text stays plain text
+    assert p.ids == render_ids(tok, msgs)
+
+
+@pytest.mark.parametrize("part, match", [
+    ({"type": "image_url"}, "image_url.url"), ({"type": "image_url", "image_url": {"url": ""}}, "image_url.url"),
+    ({"type": "image"}, "needs `image`"), ({"type": "audio", "audio": "x"}, "not supported")])
+def test_bad_image_parts_are_refused(tok, part, match):
+    with pytest.raises(ValueError, match=match):
+        chat_prompt(tok, [{"role": "user", "content": [part]}])
+
+
+def test_a_template_without_images_is_refused(tok):
+    pytest.importorskip("jinja2")
+    plain = type("T", (), {"special_ids": tok.special_ids, "encode": tok.encode,
+                           "chat_template": "{% for m in messages %}{{ m.role }}{% endfor %}"})()
+    with pytest.raises(ValueError, match="placed 0 image placeholders"):
+        chat_prompt(plain, [{"role": "user", "content": [{"type": "image", "image": b"x"}]}])

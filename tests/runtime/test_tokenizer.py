@@ -56,7 +56,9 @@ def test_write_is_deterministic(k3_dir, tmp_path):
 def test_k3_special_tokens(tok, k3_dir):
     ids = k3_special_token_ids()
     assert list(ids) == list(K3_SPECIAL_TOKENS)
-    assert ids == {"<|end_of_msg|>": 129280, "<|open|>": 129281, "<|close|>": 129282, "<|sep|>": 129283}
+    assert ids == {"<|end_of_msg|>": 129280, "<|open|>": 129281, "<|close|>": 129282, "<|sep|>": 129283,
+                   "<|media_begin|>": 129284, "<|media_content|>": 129285, "<|media_end|>": 129286,
+                   "<|media_pad|>": 129287}
     for token, token_id in ids.items():
         assert tok.special_ids[token] == token_id == tok.token_to_id(token)
         assert tok.encode(token, allow_special=True) == [token_id]
