@@ -19,10 +19,12 @@ from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs  # noqa: E4
 from k3trt.model import mla
 from k3trt.model.moe import Experts  # noqa: E402
 
-BLOCK, MAX_SEQ = 16, 60
-# prefill 4 runs the recurrent KDA op, 32 the chunked one
-CAPS = Capacities(verify=(1, 2), prefill=(1, 4, 32), spec_tokens=3)
-EXPORTED = ("verify_b1", "verify_b2", "prefill_t1", "prefill_t4", "prefill_t32")
+BLOCK, MAX_SEQ = 16, 124
+# prefill 2 and 4 run the recurrent KDA op, 32 and 64 the chunked one; five graph families
+# (builder/families.py): b1, b2+b4 (one symbolic export), t1, t2+t4, t32+t64
+CAPS = Capacities(verify=(1, 2, 4), prefill=(1, 2, 4, 32, 64), spec_tokens=3)
+EXPORTED = ("verify_b1", "verify_b2", "verify_b4", "prefill_t1", "prefill_t2", "prefill_t4", "prefill_t32",
+            "prefill_t64")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_graphs_hold_one_k3trt_node_per_op_call(exported):
         model = onnx.load(str(rank / f"{name}.onnx"), load_external_data=False)
         onnx.checker.check_model(str(rank / f"{name}.onnx"))
         ops = collections.Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
-        kda_op = "KdaChunked" if name == "prefill_t32" else "KdaRecurrent"     # > CHUNKED_MIN_TOKENS
+        kda_op = "KdaChunked" if name in ("prefill_t32", "prefill_t64") else "KdaRecurrent"  # > CHUNKED_MIN_TOKENS
         assert ops == {"MlaVerify": n_mla, "MlaCacheWrite": n_mla, "ShortConv": n_kda, kda_op: n_kda,
                        "MoeExperts": n_moe}, name
         ins, outs = io_specs(cfg, specs[name])
