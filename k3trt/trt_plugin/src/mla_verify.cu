@@ -1,8 +1,13 @@
 // MlaVerify: q, kv_cache, block_table, seq_lens -> out, lse (k3trt/plugins/mla_verify.py, whose
 // docstring is the contract: absorbed MLA over a paged latent cache, causal over the Q rows of a
 // request, DCP-local lengths, the optional sparse chunk policy). One block per (query row, head),
-// online softmax over tiles of cache tokens, fp32 throughout.
+// online softmax over tiles of cache tokens, fp32 throughout. On SM90 the calls the torch op's
+// SM90 kernels are built for run those instead (mla_verify_sm90.cu); K3TRT_MLA_KERNEL=plain, read
+// when the plugin is created, keeps every call on the plain kernel (tests and benchmarks compare).
+#include "mla_verify_sm90.h"
 #include "plugin.h"
+
+#include <cstdlib>
 
 namespace k3trt
 {
@@ -180,6 +185,9 @@ public:
             static_cast<int32_t>(a.i("sparse_sink")), static_cast<int32_t>(a.i("sparse_stride")),
             static_cast<int32_t>(a.i("sparse_recent")), static_cast<float>(a.f("softmax_scale")),
             static_cast<float>(a.f("kv_scale"))};
+        mSm90 = MlaSm90Config{mP.qPerReq, mP.dv, mP.dcpSize, mP.sparseChunk, mP.softmaxScale, mP.kvScale};
+        char const* kernel = std::getenv("K3TRT_MLA_KERNEL");
+        mPlainOnly = kernel != nullptr && std::string(kernel) == "plain";
     }
     std::string invalid() const
     {
@@ -229,9 +237,21 @@ public:
             return "q rows, block-table rows, seq_lens and q_per_req disagree";
         return "";
     }
-    cudaError_t run(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
-        void* const* outputs, void*, cudaStream_t stream) noexcept override
+    size_t workspace(PluginTensorDesc const* in, PluginTensorDesc const*) const noexcept override
     {
+        return mlaSm90Workspace(in, mSm90);
+    }
+    cudaError_t run(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
+        void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        if (!mPlainOnly && mlaSm90Takes(in, mSm90))
+        {
+            std::string error;
+            cudaError_t const e = mlaSm90Run(in, mSm90, inputs, outputs, workspace, stream, error);
+            if (!error.empty())
+                logError("MlaVerify (SM90 kernels): " + error);
+            return e;
+        }
         Dims const &q = in[0].dims, &kv = in[1].dims;
         int64_t const blocks = q.d[0] * q.d[1];
         if (blocks > 0)
@@ -245,6 +265,8 @@ public:
 
 private:
     Params mP;
+    MlaSm90Config mSm90;
+    bool mPlainOnly = false;
 };
 
 OpPlugin* make(Attributes const& attrs, std::string& error)
