@@ -11,13 +11,16 @@ alike; "op again" is a second graph of the same op call, whose ratio to the firs
 floor the plugin's ratio is judged against. The roofline time (KV bytes over the copy rate, flops
 over the GEMM rate, the larger; both measured in this run) and each path's ratio to it. Each cell
 first checks the plugin's output against the op's (bitwise: the same kernels and plan) and against
-the fp32 reference on the first request. Needs an SM90 GPU (the plugin's SM90 path); the library
+the fp32 reference on the first request. A last row group times the plugin's mma.sync kernel
+(SM120's; K3TRT_MLA_KERNEL=mma) on the same call, also checked against the reference. Needs an SM90 GPU (the plugin's SM90 path); the library
 is built for sm_90a on first use (K3TRT_TRT_INCLUDE: TensorRT's headers).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +50,20 @@ def make_inputs(heads: int, batch: int, ctx: int, kv: str, gen: torch.Generator)
     return q, cache, table, lens
 
 
+@contextlib.contextmanager
+def mla_kernel(name: str):
+    """K3TRT_MLA_KERNEL for the plugins created inside (the plugin reads it when created)."""
+    before = os.environ.get("K3TRT_MLA_KERNEL")
+    os.environ["K3TRT_MLA_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["K3TRT_MLA_KERNEL"]
+        else:
+            os.environ["K3TRT_MLA_KERNEL"] = before
+
+
 def run_cell(h: PluginHarness, heads: int, batch: int, ctx: int, kv: str, ceil: dict) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 131 + ctx + heads)
     q, cache, table, lens = make_inputs(heads, batch, ctx, kv, gen)
@@ -56,28 +73,37 @@ def run_cell(h: PluginHarness, heads: int, batch: int, ctx: int, kv: str, ceil: 
     def op():
         return torch.ops.k3trt.mla_verify(q, cache, table, lens, Q_ROWS, scale, kv_scale, D_V)
 
-    with h.prepare("MlaVerify", [q, cache, table, lens], attrs) as call:
+    inputs = [q, cache, table, lens]
+    with mla_kernel("sm90"):
+        call = h.prepare("MlaVerify", inputs, attrs)
+    with mla_kernel("mma"):
+        mma = h.prepare("MlaVerify", inputs, attrs)
+    with call, mma:
         call.enqueue()
+        mma.enqueue()
         torch.cuda.synchronize()
         out, lse = call.outputs
         own_out, own_lse = op()
         same = bool(torch.equal(out, own_out) and torch.equal(lse, own_lse))
         ref, _ = mla_verify_ref(q[:Q_ROWS], cache, table[:1], lens[:1], Q_ROWS, scale, kv_scale, D_V)
         err = rel_norm_error(out[:Q_ROWS].float(), ref.float())
-        us = interleaved_graph_us({"plugin": call.enqueue, "op": op, "op_again": op})
+        mma_err = rel_norm_error(mma.outputs[0][:Q_ROWS].float(), ref.float())
+        us = interleaved_graph_us({"plugin": call.enqueue, "op": op, "op_again": op, "mma": mma.enqueue})
     nbytes = batch * ctx * D_QK * cache.element_size()
     flops = 2 * Q_ROWS * heads * batch * ctx * (D_QK + D_V)
     roof = max(nbytes / ceil["copy_gbps"] / 1e3, flops / ceil["gemm_tflops"] / 1e6)
     return dict(heads=heads, batch=batch, ctx=ctx, kv=kv, plugin_us=round(us["plugin"], 2), op_us=round(us["op"], 2),
-                op_again_us=round(us["op_again"], 2), roofline_us=round(roof, 2), bitwise_op=same,
-                rel_err=float(f"{err:.3g}"))
+                op_again_us=round(us["op_again"], 2), mma_us=round(us["mma"], 2), roofline_us=round(roof, 2),
+                bitwise_op=same, rel_err=float(f"{err:.3g}"), mma_rel_err=float(f"{mma_err:.3g}"))
 
 
 COLUMNS = [("H", "heads", 4, "d"), ("B", "batch", 5, "d"), ("ctx", "ctx", 6, "d"), ("kv", "kv", 5, ""),
            ("plugin us", "plugin_us", 10, ".1f"), ("op us", "op_us", 8, ".1f"), ("op' us", "op_again_us", 8, ".1f"),
            ("plugin/op", "ratio:plugin_us/op_us", 10, ".3f"), ("op'/op", "ratio:op_again_us/op_us", 7, ".3f"),
            ("roof us", "roofline_us", 8, ".1f"), ("roof/plugin", "ratio:roofline_us/plugin_us", 12, ".2f"),
-           ("bitwise", "bitwise_op", 8, ""), ("rel err", "rel_err", 8, ".2g")]
+           ("bitwise", "bitwise_op", 8, ""), ("rel err", "rel_err", 8, ".2g"),
+           ("mma us", "mma_us", 8, ".1f"), ("mma/op", "ratio:mma_us/op_us", 7, ".2f"),
+           ("mma err", "mma_rel_err", 8, ".2g")]
 
 
 def main(argv: list[str] | None = None) -> None:

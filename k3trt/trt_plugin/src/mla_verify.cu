@@ -1,13 +1,17 @@
 // MlaVerify: q, kv_cache, block_table, seq_lens -> out, lse (k3trt/plugins/mla_verify.py, whose
 // docstring is the contract: absorbed MLA over a paged latent cache, causal over the Q rows of a
 // request, DCP-local lengths, the optional sparse chunk policy). One block per (query row, head),
-// online softmax over tiles of cache tokens, fp32 throughout. On SM90 the calls the torch op's
-// SM90 kernels are built for run those instead (mla_verify_sm90.cu); K3TRT_MLA_KERNEL=plain, read
-// when the plugin is created, keeps every call on the plain kernel (tests and benchmarks compare).
+// online softmax over tiles of cache tokens, fp32 throughout: the fallback. The kernel a call runs
+// (kernelFor): on SM90 the torch op's SM90 kernels where they take the call (mla_verify_sm90.cu),
+// else the mma.sync kernel where it takes it (mla_verify_mma.cu: bf16 q, SM120's fast path), else
+// this one. K3TRT_MLA_KERNEL (plain | mma | sm90 | auto, the default), read when the plugin is
+// created, narrows the choice to one kernel and the fallback (tests and benchmarks compare them).
+#include "mla_verify_mma.h"
 #include "mla_verify_sm90.h"
 #include "plugin.h"
 
 #include <cstdlib>
+#include <string>
 
 namespace k3trt
 {
@@ -186,8 +190,9 @@ public:
             static_cast<int32_t>(a.i("sparse_recent")), static_cast<float>(a.f("softmax_scale")),
             static_cast<float>(a.f("kv_scale"))};
         mSm90 = MlaSm90Config{mP.qPerReq, mP.dv, mP.dcpSize, mP.sparseChunk, mP.softmaxScale, mP.kvScale};
+        mMma = MlaMmaConfig{mP.qPerReq, mP.dv, mP.dcpSize, mP.sparseChunk, mP.softmaxScale, mP.kvScale};
         char const* kernel = std::getenv("K3TRT_MLA_KERNEL");
-        mPlainOnly = kernel != nullptr && std::string(kernel) == "plain";
+        mKernels = kernel == nullptr ? "auto" : kernel;
     }
     std::string invalid() const
     {
@@ -244,7 +249,10 @@ public:
     cudaError_t run(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
         void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
     {
-        if (!mPlainOnly && mlaSm90Takes(in, mSm90))
+        std::string const kernel = kernelFor(in);
+        if (kernel == "mma")
+            return mlaMmaRun(in, mMma, inputs, outputs, stream);
+        if (kernel == "sm90")
         {
             std::string error;
             cudaError_t const e = mlaSm90Run(in, mSm90, inputs, outputs, workspace, stream, error);
@@ -264,9 +272,20 @@ public:
     OpPlugin* copy() const noexcept override { return new MlaVerify(*this); }
 
 private:
+    std::string kernelFor(PluginTensorDesc const* in) const
+    {
+        bool const any = mKernels == "auto";
+        if ((any || mKernels == "sm90") && mlaSm90Takes(in, mSm90))
+            return "sm90";
+        if ((any || mKernels == "mma") && mlaMmaTakes(in, mMma))
+            return "mma";
+        return "plain";
+    }
+
     Params mP;
     MlaSm90Config mSm90;
-    bool mPlainOnly = false;
+    MlaMmaConfig mMma;
+    std::string mKernels;   // K3TRT_MLA_KERNEL
 };
 
 OpPlugin* make(Attributes const& attrs, std::string& error)
