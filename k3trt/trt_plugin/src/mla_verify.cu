@@ -249,7 +249,7 @@ public:
     cudaError_t run(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
         void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
     {
-        std::string const kernel = kernelFor(in);
+        std::string const kernel = kernelFor(in, workspace != nullptr);
         if (kernel == "mma")
             return mlaMmaRun(in, mMma, inputs, outputs, stream);
         if (kernel == "sm90")
@@ -272,10 +272,12 @@ public:
     OpPlugin* copy() const noexcept override { return new MlaVerify(*this); }
 
 private:
-    std::string kernelFor(PluginTensorDesc const* in) const
+    // hasWorkspace: the SM90 path keeps its split scratch and error word there; an engine built
+    // where no SM90 GPU answered getWorkspaceSize has none (nullptr), and takes the next kernel
+    std::string kernelFor(PluginTensorDesc const* in, bool hasWorkspace) const
     {
         bool const any = mKernels == "auto";
-        if ((any || mKernels == "sm90") && mlaSm90Takes(in, mSm90))
+        if ((any || mKernels == "sm90") && hasWorkspace && mlaSm90Takes(in, mSm90))
             return "sm90";
         if ((any || mKernels == "mma") && mlaMmaTakes(in, mMma))
             return "mma";
