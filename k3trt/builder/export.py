@@ -24,7 +24,9 @@ import contextlib
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +40,11 @@ from k3trt.model.moe import Experts
 from k3trt.plugins.graph_ops import mla_cache_update, moe_experts  # noqa: F401  (the ops the graphs call)
 
 log = logging.getLogger(__name__)
+
+UNSTAMPED_Q_PER_REQ = 0      # MlaVerify's q_per_req in a prefill family's graph, before families.stamp
+# the inputs whose first dimension is the step's token count N or sequence count S (graph_io.io_specs)
+STEP_DIMS = {"input_ids": "tokens", "slot_mapping": "tokens", "positions": "tokens",
+             "block_table": "seqs", "seq_lens": "seqs", "kda_slots": "seqs"}
 
 
 def example_inputs(cfg: ModelConfig, spec: GraphSpec, *, num_blocks: int, num_slots: int,
@@ -79,8 +86,46 @@ def model_cache(cfg: ModelConfig, spec: GraphSpec, caches: dict[str, Tensor]) ->
     return cache
 
 
+class _Multiples:
+    """cu_q of a uniform step: entry i is i·q (i and q may be torch.export SymInts)."""
+
+    def __init__(self, q):
+        self.q = q
+
+    def __getitem__(self, i):
+        return i * self.q
+
+
+@dataclass(frozen=True)
+class UniformStep(StepContext):
+    """A step of `seqs` sequences of `q` new tokens each, either of which may be a torch.export
+    SymInt: what every exported graph runs. StepContext's per-sequence tuples cannot have a symbolic
+    length, so here they are None (code that reads them fails loudly) and the properties the model
+    reads of a uniform step come from the two numbers."""
+    seqs: Any = 1
+    q: Any = 1
+
+    @property
+    def num_seqs(self):
+        return self.seqs
+
+    @property
+    def num_tokens(self):
+        return self.seqs * self.q
+
+    @property
+    def uniform_q(self):
+        return self.q
+
+    @property
+    def cu_q(self):
+        return _Multiples(self.q)
+
+
 class StepGraph(nn.Module):
-    """The model over one capacity's static step, inputs and outputs as ``io_specs`` lists them."""
+    """The model over one capacity's step, inputs and outputs as ``io_specs`` lists them. The
+    step's sizes are read from the inputs (block_table [S, ...], input_ids [N]), so the same
+    module traces with a symbolic batch (verify) or token count (prefill): a graph family."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, spec: GraphSpec):
         super().__init__()
@@ -90,17 +135,17 @@ class StepGraph(nn.Module):
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         spec, cfg = self.spec, self.cfg
         x = dict(zip(self.input_names, inputs))
-        # ctx_lens only feeds KDA's "fresh sequence" rule (the caller's job, see the module doc)
-        # once seq_lens and positions come from inputs: 1 keeps the slot contents
-        # seq_lens and positions are graph inputs, not constants of the trace (NoPE layers read no
-        # positions: a model without RoPE layers has no positions input)
+        S, N = x["block_table"].shape[0], x["input_ids"].shape[0]
+        # seq_lens, positions and "fresh" are graph inputs or derived from them, never constants of
+        # the trace: the caller zeroes a fresh sequence's KDA slot (graph_io's contract), so no
+        # sequence is fresh here (NoPE layers read no positions: such a model has no positions input)
         positions = x.get("positions")
-        ctx = StepContext(q_lens=(spec.q_per_req,) * spec.num_seqs, ctx_lens=(1,) * spec.num_seqs,
-                          slot_mapping=x["slot_mapping"], block_table=x["block_table"],
+        ctx = UniformStep(q_lens=None, ctx_lens=None, slot_mapping=x["slot_mapping"], block_table=x["block_table"],
                           kda_slots=x["kda_slots"], save_kda_states=spec.saves_kda_states,
                           dev_seq_lens=x["seq_lens"],
-                          dev_positions=positions if positions is not None else
-                          torch.zeros(spec.num_seqs * spec.q_per_req, dtype=torch.long))
+                          dev_positions=positions if positions is not None else torch.zeros_like(x["input_ids"]),
+                          dev_fresh=torch.zeros_like(x["kda_slots"], dtype=torch.bool),
+                          seqs=S, q=spec.q_per_req if spec.kind == "verify" else N)
         # clones: the model updates these in place; returning them makes the graph functional
         caches = {t.name: x[t.name].clone() for t in cache_specs(cfg, spec)}
         cache = model_cache(cfg, spec, caches)
@@ -111,6 +156,19 @@ class StepGraph(nn.Module):
 
 def _cache_write_shim(kv_c, k_pe, cache, slot_mapping, kv_scale=1.0):
     cache.copy_(torch.ops.k3trt.mla_cache_update(kv_c, k_pe, cache, slot_mapping, kv_scale))
+
+
+def _mla_verify_shim(op):
+    """Under a prefill family's trace q_per_req is the symbolic token count, which an ONNX
+    attribute cannot hold: the node gets UNSTAMPED_Q_PER_REQ, which the plugins refuse, and
+    families.stamp writes each capacity's value."""
+    def call(q, kv_cache, block_table, seq_lens, q_per_req, *args, **kwargs):
+        if not isinstance(q_per_req, int):
+            q_per_req = UNSTAMPED_Q_PER_REQ
+        return op.default(q, kv_cache, block_table, seq_lens, q_per_req, *args, **kwargs)
+    # the fake-tensor dispatch finds the op by name in torch.ops.k3trt, i.e. this function
+    call.default = op.default
+    return call
 
 
 def _experts_via_op(cfg: ModelConfig):
@@ -130,11 +188,13 @@ def export_mode(cfg: ModelConfig, max_q: int, *, native: bool = False):
 
     ns = torch.ops.k3trt
     ops = native_lowerings() if native else {}
-    saved_ops = {name: getattr(ns, name) for name in ["mla_cache_write", *ops]}
+    saved_ops = {name: getattr(ns, name) for name in ["mla_cache_write", "mla_verify", *ops]}
     saved = (Experts.forward, mla_module.ABSORBED_MAX_Q)
     ns.mla_cache_write = _cache_write_shim
     for name, fn in ops.items():
         setattr(ns, name, fn)
+    if not native:              # native graphs are never symbolic (builder/families.py)
+        ns.mla_verify = _mla_verify_shim(ns.mla_verify)
     Experts.forward = _experts_via_op(cfg)
     mla_module.ABSORBED_MAX_Q = max(max_q, saved[1])
     try:
@@ -148,9 +208,12 @@ def export_mode(cfg: ModelConfig, max_q: int, *, native: bool = False):
 # ------------------------------------------------------------------------------ export
 def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str | Path, *,
                  native: bool = False, example_blocks: int | None = None,
-                 example_slots: int | None = None) -> Path:
+                 example_slots: int | None = None, step_range: tuple[int, int] | None = None) -> Path:
     """Export one capacity's graph to `path` (weights in ``<path>.data``); onnx.checker runs on it.
-    `native`: the k3trt ops lowered to standard ONNX (for TensorRT-RTX), not plugin nodes."""
+    `native`: the k3trt ops lowered to standard ONNX (for TensorRT-RTX), not plugin nodes.
+    `step_range` (lo, hi), lo >= 2: a family's graph instead (builder/families.py), symbolic in the
+    capacity over that range (verify: the batch S, with N = S·Q; prefill: the token count N);
+    `spec` is one of its members (the example inputs' sizes)."""
     import onnx  # noqa: PLC0415 (optional: onnx)
 
     from k3trt.builder.onnx_ops import translation_table  # noqa: PLC0415 (cycle: onnx_ops imports this module)
@@ -162,13 +225,21 @@ def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str 
     inputs = example_inputs(cfg, spec, num_blocks=nb, num_slots=ns)
     ins, outs = io_specs(cfg, spec)
     dims = {d: torch.export.Dim(d, min=2) for d in DYNAMIC_DIMS}
-    dynamic = tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} or None for t in ins)
+    if step_range is not None:
+        lo, hi = step_range
+        if spec.kind == "verify":
+            dims["seqs"] = torch.export.Dim("num_seqs", min=lo, max=hi)
+            dims["tokens"] = dims["seqs"] * spec.q_per_req
+        else:
+            dims["tokens"] = torch.export.Dim("num_tokens", min=lo, max=hi)
+    dynamic = tuple(_input_dims(t, dims) for t in ins)
     wrapper = StepGraph(model, cfg, spec).eval()
     t0 = time.perf_counter()
     log.info("export %s: tracing (%d inputs, %d outputs)", spec.name, len(ins), len(outs))
     # torch.export under the substitutions; the ONNX translation after them (its decomposition
     # pass walks the k3trt namespace and must see real ops there)
-    with export_mode(cfg, spec.q_per_req, native=native), torch.no_grad():
+    max_q = spec.q_per_req if step_range is None or spec.kind == "verify" else step_range[1]
+    with export_mode(cfg, max_q, native=native), torch.no_grad():
         exported = torch.export.export(wrapper, tuple(inputs.values()), dynamic_shapes=(dynamic,), strict=False)
     log.info("export %s: traced in %.1fs; translating to ONNX", spec.name, time.perf_counter() - t0)
     # onnx_ir warns once per k3trt node output that it has no value_info type (the schemas carry no
@@ -193,6 +264,15 @@ def export_graph(model: nn.Module, cfg: ModelConfig, spec: GraphSpec, path: str 
     onnx.checker.check_model(str(path), full_check=False)
     log.info("export %s: %s written and checked in %.1fs", spec.name, path.name, time.perf_counter() - t0)
     return path
+
+
+def _input_dims(t: TensorSpec, dims: dict) -> dict | None:
+    """torch.export's dynamic_shapes entry of one input: its cache dims, and its step dim if symbolic."""
+    out = {i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)}
+    step = dims.get(STEP_DIMS.get(t.name))
+    if step is not None:
+        out[0] = step
+    return out or None
 
 
 def _name_dynamic_dims(path: Path, ins: list[TensorSpec]) -> None:

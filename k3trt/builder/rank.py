@@ -6,6 +6,8 @@ given the previous rank dir links the files of capacities whose key is unchanged
 match their checksums, and exports and builds the rest. weights.json records the shared tensors
 (name, sha256, file, offset, length), so that new graphs share the weights already in the linked
 weights.bin; tensors it lacks go to a new weights.N.bin (never appended to a linked file).
+Exports: one per graph family (builder/families.py: the capacities that run the same code share
+one symbolic export, each member's graph stamped from it), checked per capacity.
 Workers: ``workers`` > 1 runs exports and engine builds in spawned processes (each loads the
 model once); weights are shared in capacity order in the parent, so the files equal the serial
 build's. Engines are not byte-reproducible on TensorRT-RTX 1.7 even serially (the order of the
@@ -35,8 +37,9 @@ from typing import Any
 import torch
 
 from k3trt.builder.backends import BuildError
-from k3trt.builder.export import export_graph, share_weights
+from k3trt.builder.export import share_weights
 from k3trt.builder.export_vision import check_encoder, export_encoder
+from k3trt.builder.families import export_family, families, stamp
 from k3trt.builder.onnx_ops import check_graph
 from k3trt.builder.tensorrt import LOWERINGS, BuildOptions, EngineReport, build_engine
 from k3trt.engine.backends import MODULES, Backend, load_backend, local_gpu_target
@@ -149,14 +152,20 @@ def build_rank(model, cfg, capacities, rank_dir: str | Path, *, backend: str, bl
         _build_parallel(model, cfg, todo, position, rank_dir, data_name, table, reports, backend=be,
                         workers=min(workers, len(todo)), jobs=jobs)
     else:
-        for spec in todo:
+        for family in families(todo, native):
             t0 = time.perf_counter()
-            path = _export(the_model(), cfg, spec, rank_dir, position[spec.name], **jobs)
-            share_weights([path], data_name, table)
-            exported = time.perf_counter() - t0
-            if be is not None:
-                r = _engine(be, path, rank_dir, spec.name, position[spec.name], **jobs)
-                reports[spec.name] = dataclasses.replace(r, export_seconds=exported)
+            for unit, graph in _export(the_model(), cfg, family, rank_dir, position, **jobs):
+                share_weights([graph], data_name, table)
+                paths = _stamp(graph, cfg, unit, rank_dir)
+                if check:
+                    for spec, path in zip(unit, paths):
+                        _check(the_model(), cfg, spec, path, position[spec.name], **jobs)
+                exported = (time.perf_counter() - t0) / len(unit)
+                for spec, path in zip(unit, paths):
+                    if be is not None:
+                        r = _engine(be, path, rank_dir, spec.name, position[spec.name], **jobs)
+                        reports[spec.name] = dataclasses.replace(r, export_seconds=exported)
+                t0 = time.perf_counter()
     if capacities.encoder and cfg.vision is not None:
         _export_encoders(the_model(), cfg, capacities.encoder, dtype, rank_dir, data_name, table, check)
     if check:
@@ -189,14 +198,35 @@ def _archs(be: Backend, options: BuildOptions) -> tuple[str, ...]:
     return target_archs(target)
 
 
-def _export(model, cfg, spec, rank_dir: Path, i: int, *, native: bool, check: bool, total: int, **_) -> Path:
-    """One capacity's graph (checked by onnxruntime when `check`), its weights in its own data file."""
-    log.info("[%d/%d] %s: export (%s graph)", i, total, spec.name, "native" if native else "plugin")
-    path = export_graph(model, cfg, spec, rank_dir / f"{spec.name}.onnx", native=native)
-    if check:
-        log.info("[%d/%d] %s: onnxruntime check", i, total, spec.name)
-        check_graph(path, model, cfg, spec, native=native)
-    return path
+def _export(model, cfg, family: list, rank_dir: Path, position: dict[str, int], *, native: bool, total: int,
+            **_) -> list[tuple[list, Path]]:
+    """A family's graph (builder/families.py), its weights in its own data file, as [(members,
+    graph)]; if the symbolic export fails, each member's own graph instead."""
+    first = family[0]
+    log.info("[%d/%d] %s: export (%s graph%s)", position[first.name], total, first.name,
+             "native" if native else "plugin", f", family of {len(family)}" if len(family) > 1 else "")
+    if len(family) == 1:
+        return [(family, export_family(model, cfg, family, rank_dir / f"{first.name}.onnx", native=native))]
+    try:
+        return [(family, export_family(model, cfg, family, rank_dir / f"family_{first.name}.onnx", native=native))]
+    except Exception as e:        # noqa: BLE001 (any trace failure: the members' own exports say what is wrong)
+        log.warning("the symbolic export of %s failed (%s: %s); exporting them one by one",
+                    ", ".join(s.name for s in family), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return [([s], export_family(model, cfg, [s], rank_dir / f"{s.name}.onnx", native=native)) for s in family]
+
+
+def _stamp(graph: Path, cfg, unit: list, rank_dir: Path) -> list[Path]:
+    """The members' graphs from their family's (weights already shared); the family's file removed."""
+    if len(unit) == 1 and graph.name == f"{unit[0].name}.onnx":
+        return [graph]
+    paths = [stamp(graph, cfg, spec, rank_dir / f"{spec.name}.onnx") for spec in unit]
+    graph.unlink()
+    return paths
+
+
+def _check(model, cfg, spec, path: Path, i: int, *, native: bool, total: int, **_) -> None:
+    log.info("[%d/%d] %s: onnxruntime check", i, total, spec.name)
+    check_graph(path, model, cfg, spec, native=native)
 
 
 def _engine(be: Backend, path: Path, rank_dir: Path, name: str, i: int, *, options: BuildOptions, keys: dict,
@@ -289,12 +319,20 @@ def _worker_init(source: ModelSource, cfg, level: int, threads: int) -> None:
     _WORKER.update(source=source, cfg=cfg)
 
 
-def _worker_export(spec, rank_dir: Path, i: int, jobs: dict) -> tuple[Path, float]:
-    t0 = time.perf_counter()
+def _worker_model():
     if "model" not in _WORKER:
         _WORKER["model"] = _WORKER["source"].load()[1]
-    path = _export(_WORKER["model"], _WORKER["cfg"], spec, rank_dir, i, **jobs)
-    return path, time.perf_counter() - t0
+    return _WORKER["model"]
+
+
+def _worker_export(family, rank_dir: Path, position: dict[str, int], jobs: dict) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    units = _export(_worker_model(), _WORKER["cfg"], family, rank_dir, position, **jobs)
+    return units, time.perf_counter() - t0
+
+
+def _worker_check(spec, path: Path, i: int, jobs: dict) -> None:
+    _check(_worker_model(), _WORKER["cfg"], spec, path, i, **jobs)
 
 
 def _worker_engine(backend: str, path: Path, rank_dir: Path, name: str, i: int, jobs: dict) -> EngineReport:
@@ -315,14 +353,21 @@ def _build_parallel(source: ModelSource, cfg, todo, position: dict[str, int], ra
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_worker_init, initargs=(source, cfg, level, threads))
     try:
-        exports = [pool.submit(_worker_export, s, rank_dir, position[s.name], jobs) for s in todo]
-        engines, export_time = {}, {}
-        for spec, fut in zip(todo, exports):
-            path, export_time[spec.name] = fut.result()
-            share_weights([path], data_name, table)
-            if backend is not None:
-                engines[spec.name] = pool.submit(_worker_engine, backend.name, path, rank_dir, spec.name,
-                                                 position[spec.name], jobs)
+        exports = [pool.submit(_worker_export, f, rank_dir, position, jobs) for f in families(todo, jobs["native"])]
+        engines, export_time, checks = {}, {}, []
+        for fut in exports:
+            units, seconds = fut.result()
+            for unit, graph in units:
+                share_weights([graph], data_name, table)
+                for spec, path in zip(unit, _stamp(graph, cfg, unit, rank_dir)):
+                    export_time[spec.name] = seconds / sum(len(u) for u, _ in units)
+                    if jobs["check"]:
+                        checks.append(pool.submit(_worker_check, spec, path, position[spec.name], jobs))
+                    if backend is not None:
+                        engines[spec.name] = pool.submit(_worker_engine, backend.name, path, rank_dir, spec.name,
+                                                         position[spec.name], jobs)
+        for fut in checks:
+            fut.result()
         for name, fut in engines.items():
             reports[name] = dataclasses.replace(fut.result(), export_seconds=export_time[name])
     except BaseException as e:

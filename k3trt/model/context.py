@@ -52,7 +52,8 @@ class StepContext:
     @property
     def uniform_q(self) -> int | None:
         """Q when every sequence brings the same number of tokens (decode: 1, verify: K+1)."""
-        return self.q_lens[0] if self.q_lens and len(set(self.q_lens)) == 1 else None
+        # equality, not a set: under torch.export a length may be a SymInt, which cannot be hashed
+        return self.q_lens[0] if self.q_lens and all(n == self.q_lens[0] for n in self.q_lens) else None
 
     @property
     def cu_q(self) -> list[int]:

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "src"
 HARNESS_SOURCE = HERE / "harness" / "harness.cpp"
+# the torch op's SM90 MLA kernels and their launcher (k3trt/plugins/mla_cuda/), compiled into the
+# library's sm_90a part: MlaVerify runs them on SM90 (the plain kernel elsewhere)
+MLA_SM90_DIR = HERE.parent / "plugins" / "mla_cuda"
+MLA_SM90_SOURCES = ("launch.cu", "pair.cu", "swap.cu", "merge.cu")
+MLA_SM90_ARCH = "sm_90a"
 INCLUDE_ENV = "K3TRT_TRT_INCLUDE"
 CACHE_ENV = "K3TRT_CACHE"
 # full TensorRT on H100/H200 and TensorRT-RTX's first target, in one fatbin
@@ -95,7 +100,7 @@ def _gencode(arch: str) -> list[str]:
 def _digest(files: list[Path], *extra: str) -> str:
     h = hashlib.sha256()
     for f in files:
-        h.update(f.relative_to(HERE).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        h.update(f.relative_to(HERE.parent).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     for e in extra:
         h.update(e.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -127,20 +132,52 @@ def library_sources() -> list[Path]:
     return sorted(p for p in SOURCES.iterdir() if p.suffix in (".cu", ".h"))
 
 
+def mla_sm90_sources() -> list[Path]:
+    return sorted(p for p in MLA_SM90_DIR.iterdir() if p.suffix in (".cu", ".cuh", ".h") and p.name != "binding.cpp")
+
+
 def build_library(archs: tuple[str, ...] | list[str] = DEFAULT_ARCHS, *, force: bool = False) -> Path:
-    """The plugin library (.so) for `archs`, built now or taken from the cache."""
+    """The plugin library (.so) for `archs`, built now or taken from the cache. With sm_90a among
+    them, the SM90 MLA kernels (MLA_SM90_SOURCES) are compiled for sm_90a alone and linked in."""
+    from k3trt.plugins.mla_cuda import constants  # noqa: PLC0415 (the generated header's text)
+
     include, nvcc = trt_include_dir(), _tool("nvcc")
     archs = tuple(normalize_arch(a) for a in archs)
+    sm90 = MLA_SM90_ARCH in archs
     gencode = [flag for a in archs for flag in _gencode(a)]
     flags = [*NVCC_FLAGS, f"--threads={min(2, len(archs))}", *gencode]
-    files = library_sources()
-    key = _digest(files, *flags, _version(nvcc), (include / "NvInferVersion.h").read_text())
+    files = library_sources() + (mla_sm90_sources() if sm90 else [])
+    key = _digest(files, *flags, _version(nvcc), (include / "NvInferVersion.h").read_text(),
+                  constants.header() if sm90 else "")
     target = cache_dir() / f"libk3trt_plugins-{'-'.join(a.removeprefix('sm_') for a in archs)}-{key}.so"
     if target.is_file() and not force:
         log.debug("plugin library cached: %s", target)
         return target
-    cmd = [str(nvcc), *flags, "-I", str(include), *(str(f) for f in files if f.suffix == ".cu"), "-o"]
-    return _compile(cmd, target, f"the k3trt plugin library ({len(files)} sources, {', '.join(archs)})")
+    sources = [str(f) for f in library_sources() if f.suffix == ".cu"]
+    if not sm90:
+        cmd = [str(nvcc), *flags, "-I", str(include), *sources, "-o"]
+        return _compile(cmd, target, f"the k3trt plugin library ({len(files)} sources, {', '.join(archs)})")
+    with tempfile.TemporaryDirectory(prefix="k3trt-mla-sm90-") as tmp:
+        generated = constants.write_header(tmp)
+        mla = ["-I", str(MLA_SM90_DIR), "-I", generated, "-DK3TRT_MLA_SM90"]
+        objects = [_object(nvcc, MLA_SM90_DIR / name, Path(tmp), mla) for name in MLA_SM90_SOURCES]
+        cmd = [str(nvcc), *flags, "-I", str(include), *mla, *sources, *(str(o) for o in objects), "-o"]
+        return _compile(cmd, target, f"the k3trt plugin library ({len(files)} sources, {', '.join(archs)}, "
+                                     "the SM90 MLA kernels)")
+
+
+def _object(nvcc: Path, source: Path, out_dir: Path, includes: list[str]) -> Path:
+    """One SM90 MLA source compiled for sm_90a alone (wgmma has no other target)."""
+    obj = out_dir / f"{source.stem}.o"
+    cmd = [str(nvcc), "-std=c++17", "-O3", "-c", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+           *_gencode(MLA_SM90_ARCH), *includes, str(source), "-o", str(obj)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise PluginBuildError(f"{source.name} (SM90 MLA kernel) failed to compile for {MLA_SM90_ARCH} "
+                               f"(nvcc exit {r.returncode}):\n{r.stderr[-4000:]}")
+    log.info("compiled %s for %s in %.1fs", source.name, MLA_SM90_ARCH, time.perf_counter() - t0)
+    return obj
 
 
 def build_harness(*, force: bool = False) -> Path:

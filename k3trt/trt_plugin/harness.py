@@ -157,6 +157,16 @@ class PluginHarness:
         NaN-poisoned first (integers: -1) so that an element the kernel skips shows. `in_place`:
         an output aliased to an input (getAliasedInput) is that input's buffer, as TensorRT binds
         it with aliased plugin I/O on; otherwise it is a fresh buffer, as without it."""
+        with self.prepare(op, inputs, attrs, in_place=in_place, poison=poison) as call:
+            call.enqueue()
+            torch.cuda.synchronize(call.outputs[0].device if call.outputs else None)
+            return call.outputs
+
+    def prepare(self, op: str, inputs: Sequence[torch.Tensor], attrs: dict[str, Any] | None = None, *,
+                in_place: bool = False, poison: bool = True) -> "PreparedCall":
+        """`run` split in two for timing: the plugin created, configured and its buffers allocated
+        once; ``enqueue()`` then launches it on the current stream without a sync (a CUDA graph
+        can capture it). Use as a context manager, or ``close()`` it."""
         inputs = [t.contiguous() for t in inputs]
         sess = self._create(op, attrs or {})
         try:
@@ -172,17 +182,41 @@ class PluginHarness:
                     _poison(t)
                 outs.append(t)
             workspace = torch.empty(max(spec.workspace, 1), dtype=torch.uint8, device=device)
-            ptrs_in = (ctypes.c_void_p * len(inputs))(*(t.data_ptr() for t in inputs))
-            ptrs_out = (ctypes.c_void_p * len(outs))(*(t.data_ptr() for t in outs))
-            err = ctypes.create_string_buffer(1024)
-            stream = torch.cuda.current_stream(device).cuda_stream
-            rc = self._dll.k3h_enqueue(sess, ptrs_in, ptrs_out, workspace.data_ptr(), stream, err, len(err))
-            if rc != 0:
-                raise HarnessError(err.value.decode())
-            torch.cuda.synchronize(device)
-            return outs
-        finally:
+        except BaseException:
             self._dll.k3h_destroy(sess)
+            raise
+        return PreparedCall(self._dll, sess, inputs, outs, workspace)
+
+
+class PreparedCall:
+    """One configured plugin over fixed device buffers (PluginHarness.prepare)."""
+
+    def __init__(self, dll, sess, inputs: list[torch.Tensor], outputs: list[torch.Tensor], workspace: torch.Tensor):
+        self._dll, self._sess = dll, sess
+        self.inputs, self.outputs, self.workspace = inputs, outputs, workspace
+        self._in = (ctypes.c_void_p * len(inputs))(*(t.data_ptr() for t in inputs))
+        self._out = (ctypes.c_void_p * len(outputs))(*(t.data_ptr() for t in outputs))
+        self._err = ctypes.create_string_buffer(1024)
+
+    def enqueue(self) -> None:
+        if self._sess is None:
+            raise HarnessError("enqueue on a closed PreparedCall")
+        stream = torch.cuda.current_stream(self.inputs[0].device).cuda_stream
+        rc = self._dll.k3h_enqueue(self._sess, self._in, self._out, self.workspace.data_ptr(), stream, self._err,
+                                   len(self._err))
+        if rc != 0:
+            raise HarnessError(self._err.value.decode())
+
+    def close(self) -> None:
+        if self._sess is not None:
+            self._dll.k3h_destroy(self._sess)
+            self._sess = None
+
+    def __enter__(self) -> "PreparedCall":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _poison(t: torch.Tensor) -> None:

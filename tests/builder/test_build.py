@@ -153,7 +153,11 @@ class FakeEngines:
         self.loads += 1
         return None, "model"
 
-    def export(self, model, cfg, spec, rank_dir, i, **_):
+    def export(self, model, cfg, family, rank_dir, position, **_):
+        """rank._export's contract: [(members, graph)]; here each member its own graph."""
+        return [([spec], self.export_one(model, spec, rank_dir)) for spec in family]
+
+    def export_one(self, model, spec, rank_dir):
         assert model == "model"
         import onnx  # noqa: PLC0415 (optional: onnx)
         from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415 (optional: onnx)

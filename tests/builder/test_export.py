@@ -12,6 +12,7 @@ pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime_extensions")
 
 from k3trt.builder.export import StepGraph, example_inputs, export_mode, model_cache  # noqa: E402
+from k3trt.builder.families import families  # noqa: E402
 from k3trt.builder.onnx_ops import DOMAIN, check_graph, native_lowerings, reference_outputs  # noqa: E402
 from k3trt.builder.rank import build_rank  # noqa: E402
 from k3trt.engine.capacities import Capacities  # noqa: E402
@@ -19,10 +20,12 @@ from k3trt.engine.graph_io import cache_specs, graph_specs, io_specs  # noqa: E4
 from k3trt.model import mla
 from k3trt.model.moe import Experts  # noqa: E402
 
-BLOCK, MAX_SEQ = 16, 60
-# prefill 4 runs the recurrent KDA op, 32 the chunked one
-CAPS = Capacities(verify=(1, 2), prefill=(1, 4, 32), spec_tokens=3)
-EXPORTED = ("verify_b1", "verify_b2", "prefill_t1", "prefill_t4", "prefill_t32")
+BLOCK, MAX_SEQ = 16, 124
+# prefill 2 and 4 run the recurrent KDA op, 32 and 64 the chunked one; five graph families
+# (builder/families.py): b1, b2+b4 (one symbolic export), t1, t2+t4, t32+t64
+CAPS = Capacities(verify=(1, 2, 4), prefill=(1, 2, 4, 32, 64), spec_tokens=3)
+EXPORTED = ("verify_b1", "verify_b2", "verify_b4", "prefill_t1", "prefill_t2", "prefill_t4", "prefill_t32",
+            "prefill_t64")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def test_graphs_hold_one_k3trt_node_per_op_call(exported):
         model = onnx.load(str(rank / f"{name}.onnx"), load_external_data=False)
         onnx.checker.check_model(str(rank / f"{name}.onnx"))
         ops = collections.Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
-        kda_op = "KdaChunked" if name == "prefill_t32" else "KdaRecurrent"     # > CHUNKED_MIN_TOKENS
+        kda_op = "KdaChunked" if name in ("prefill_t32", "prefill_t64") else "KdaRecurrent"  # > CHUNKED_MIN_TOKENS
         assert ops == {"MlaVerify": n_mla, "MlaCacheWrite": n_mla, "ShortConv": n_kda, kda_op: n_kda,
                        "MoeExperts": n_moe}, name
         ins, outs = io_specs(cfg, specs[name])
@@ -152,3 +155,27 @@ def test_model_cache_maps_every_layer(tiny_model):
     cache = model_cache(cfg, spec, {t.name: torch.empty(0) for t in cache_specs(cfg, spec)})
     assert sorted(cache.mla) == list(cfg.mla_layers) and sorted(cache.kda) == list(cfg.kda_layers)
     assert all(c.step_state is not None for c in cache.kda.values())     # verify keeps per-row states
+
+
+def test_graph_families(tiny_model):
+    """The default plan's 19 capacities take 5 exports; native graphs are one family each."""
+    cfg, _ = tiny_model
+    caps = Capacities.plan(max_batch=32, max_num_tokens=4096, spec_tokens=3)
+    specs = graph_specs(cfg, caps, block_size=64, max_seq_len=4096, dtype=torch.float32, kv_dtype=torch.float32)
+    names = [[s.name for s in f] for f in families(specs, native=False)]
+    assert names == [["verify_b1"], [f"verify_b{b}" for b in (2, 4, 8, 16, 32)], ["prefill_t1"],
+                     [f"prefill_t{t}" for t in (2, 4, 8, 16)], [f"prefill_t{t}" for t in (32, 64, 128, 256, 512,
+                                                                                          1024, 2048, 4096)]]
+    assert len(families(specs, native=True)) == len(specs) == 19
+
+
+def test_family_members_are_stamped_copies(exported):
+    """Members of one family share the graph and differ in their I/O sizes and MlaVerify's
+    q_per_req only; no family file is left behind."""
+    _, _, rank, specs = exported
+    assert not list(rank.glob("family_*"))
+    for a, b in (("verify_b2", "verify_b4"), ("prefill_t32", "prefill_t64")):
+        ga, gb = (onnx.load(str(rank / f"{n}.onnx"), load_external_data=False).graph for n in (a, b))
+        assert [n.op_type for n in ga.node] == [n.op_type for n in gb.node]
+        dims = [d.dim_value for d in gb.input[0].type.tensor_type.shape.dim]
+        assert dims == [specs[b].num_tokens]

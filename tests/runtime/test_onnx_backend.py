@@ -75,10 +75,12 @@ def _run(engine_dir, *args):
     return json.loads(r.output.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("schema", [False, True], ids=["plain", "json-schema"])
-def test_k3trt_run_equals_the_torch_backend(engines, tiny_ckpt, schema, tmp_path):
+@pytest.mark.parametrize("spec, schema", [("draft", False), ("draft", True), ("ngram", True)],
+                         ids=["draft", "draft-json-schema", "ngram-json-schema"])
+def test_k3trt_run_equals_the_torch_backend(engines, tiny_ckpt, spec, schema, tmp_path):
     onnx_dir, torch_dir, _ = engines
-    args = ["--max-tokens", "12", "--speculative", f"draft:{tiny_ckpt}", "--spec-tokens", "3"]
+    method = f"draft:{tiny_ckpt}" if spec == "draft" else spec
+    args = ["--max-tokens", "12", "--speculative", method, "--spec-tokens", "3"]
     if schema:
         (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
         args += ["--json-schema", str(tmp_path / "schema.json")]

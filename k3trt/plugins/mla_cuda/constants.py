@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..plans import MAX_SPLITS
+
 
 @dataclasses.dataclass(frozen=True)
 class Constant:
@@ -25,6 +27,10 @@ TABLE = (
     Constant("D_QK", "kD", 576, "latent width: 512 value columns | 64 rope"),
     Constant("D_V", "kDV", 512, "value columns"),
     Constant("SWAP_MAX_ROWS", "kSwapMaxRows", 48, "rows a swap CTA takes: its MMA's N"),
+    Constant("SWAP_MIN_BATCH", "kSwapMinBatch", 32, "the smallest batch given the swap kernel (schedule.py)"),
+    Constant("MIN_SPLIT_BLOCKS", "kMinSplitBlocks", 2, "the split rule: fewest pages a split takes (schedule.py)"),
+    Constant("FULL_SPLIT_BLOCKS", "kFullSplitBlocks", 16, "the split rule: pages per split to use all (schedule.py)"),
+    Constant("MAX_SPLITS", "kMaxSplits", MAX_SPLITS, "most split-K splits a plan takes (plans.choose_splits)"),
     Constant("SCHEDULE_PAIR", "kSchedulePair", 0, "LaunchArgs::schedule of the pair kernel"),
     Constant("SCHEDULE_SWAP", "kScheduleSwap", 1, "LaunchArgs::schedule of the swap kernel"),
     Constant("ERR_KV_CHUNK", "kErrKvChunk", 1, "timeout: a KV chunk's TMA mbarrier"),
@@ -36,6 +42,8 @@ TABLE = (
 _VALUE = {k.py: k.value for k in TABLE}
 PAGE, D_QK, D_V = _VALUE["PAGE"], _VALUE["D_QK"], _VALUE["D_V"]
 SWAP_MAX_ROWS = _VALUE["SWAP_MAX_ROWS"]
+SWAP_MIN_BATCH, MIN_SPLIT_BLOCKS, FULL_SPLIT_BLOCKS = (_VALUE[k] for k in ("SWAP_MIN_BATCH", "MIN_SPLIT_BLOCKS",
+                                                                           "FULL_SPLIT_BLOCKS"))
 SCHEDULES = {"pair": _VALUE["SCHEDULE_PAIR"], "swap": _VALUE["SCHEDULE_SWAP"]}
 TIMEOUT_NAMES = {k.value: k.why.removeprefix("timeout: ") + " wait timed out"
                  for k in TABLE if k.py.startswith("ERR_")}

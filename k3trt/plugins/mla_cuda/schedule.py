@@ -16,7 +16,7 @@ import functools
 import torch
 
 from ..plans import choose_splits
-from .constants import SWAP_MAX_ROWS
+from .constants import FULL_SPLIT_BLOCKS, MIN_SPLIT_BLOCKS, SWAP_MAX_ROWS, SWAP_MIN_BATCH  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
 DEFAULT_SCHEDULE = "pair"
@@ -26,13 +26,13 @@ DEFAULT_SCHEDULE = "pair"
 # themselves only on long requests: each extra CTA writes 64 KB of partials that the merge reads
 # back, so at 48 heads, batch 32 and 1K context four splits take 75 us and one 51 us, and at batch
 # 1 the request is spread as far as it goes.
-MIN_SPLIT_BLOCKS, FULL_SPLIT_BLOCKS = 2, 16
+# (MIN_SPLIT_BLOCKS, FULL_SPLIT_BLOCKS and SWAP_MIN_BATCH are in constants.py: plan.h, the rule's
+# C++ copy for the TensorRT plugin, reads them from the generated header.)
 # The swap kernel has the faster loop but a dearer CTA (batch 1, 1K: 16.1 us against the pair
 # kernel's 13.0, each CTA a block or two). At 12 heads, fp8 it takes 3.7-16% off batch 32-128 from
 # 2K context and 10% off batch 128 / 1K, but adds 6% at batch 32 / 1K and 16-24% at batch 1,
 # whose plans spread a request over 113 CTAs. The choice is per plan (batch capacity), as a CUDA
 # graph replays its plan at any length; batch 2-16 is not measured.
-SWAP_MIN_BATCH = 32
 
 
 def swap_head_group(q_per_req: int, heads: int) -> int:

@@ -1,8 +1,17 @@
 // MlaVerify: q, kv_cache, block_table, seq_lens -> out, lse (k3trt/plugins/mla_verify.py, whose
 // docstring is the contract: absorbed MLA over a paged latent cache, causal over the Q rows of a
 // request, DCP-local lengths, the optional sparse chunk policy). One block per (query row, head),
-// online softmax over tiles of cache tokens, fp32 throughout.
+// online softmax over tiles of cache tokens, fp32 throughout: the fallback. The kernel a call runs
+// (kernelFor): on SM90 the torch op's SM90 kernels where they take the call (mla_verify_sm90.cu),
+// else the mma.sync kernel where it takes it (mla_verify_mma.cu: bf16 q, SM120's fast path), else
+// this one. K3TRT_MLA_KERNEL (plain | mma | sm90 | auto, the default), read when the plugin is
+// created, narrows the choice to one kernel and the fallback (tests and benchmarks compare them).
+#include "mla_verify_mma.h"
+#include "mla_verify_sm90.h"
 #include "plugin.h"
+
+#include <cstdlib>
+#include <string>
 
 namespace k3trt
 {
@@ -180,6 +189,10 @@ public:
             static_cast<int32_t>(a.i("sparse_sink")), static_cast<int32_t>(a.i("sparse_stride")),
             static_cast<int32_t>(a.i("sparse_recent")), static_cast<float>(a.f("softmax_scale")),
             static_cast<float>(a.f("kv_scale"))};
+        mSm90 = MlaSm90Config{mP.qPerReq, mP.dv, mP.dcpSize, mP.sparseChunk, mP.softmaxScale, mP.kvScale};
+        mMma = MlaMmaConfig{mP.qPerReq, mP.dv, mP.dcpSize, mP.sparseChunk, mP.softmaxScale, mP.kvScale};
+        char const* kernel = std::getenv("K3TRT_MLA_KERNEL");
+        mKernels = kernel == nullptr ? "auto" : kernel;
     }
     std::string invalid() const
     {
@@ -229,9 +242,24 @@ public:
             return "q rows, block-table rows, seq_lens and q_per_req disagree";
         return "";
     }
-    cudaError_t run(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
-        void* const* outputs, void*, cudaStream_t stream) noexcept override
+    size_t workspace(PluginTensorDesc const* in, PluginTensorDesc const*) const noexcept override
     {
+        return mlaSm90Workspace(in, mSm90);
+    }
+    cudaError_t run(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
+        void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        std::string const kernel = kernelFor(in, workspace != nullptr);
+        if (kernel == "mma")
+            return mlaMmaRun(in, mMma, inputs, outputs, stream);
+        if (kernel == "sm90")
+        {
+            std::string error;
+            cudaError_t const e = mlaSm90Run(in, mSm90, inputs, outputs, workspace, stream, error);
+            if (!error.empty())
+                logError("MlaVerify (SM90 kernels): " + error);
+            return e;
+        }
         Dims const &q = in[0].dims, &kv = in[1].dims;
         int64_t const blocks = q.d[0] * q.d[1];
         if (blocks > 0)
@@ -244,7 +272,22 @@ public:
     OpPlugin* copy() const noexcept override { return new MlaVerify(*this); }
 
 private:
+    // hasWorkspace: the SM90 path keeps its split scratch and error word there; an engine built
+    // where no SM90 GPU answered getWorkspaceSize has none (nullptr), and takes the next kernel
+    std::string kernelFor(PluginTensorDesc const* in, bool hasWorkspace) const
+    {
+        bool const any = mKernels == "auto";
+        if ((any || mKernels == "sm90") && hasWorkspace && mlaSm90Takes(in, mSm90))
+            return "sm90";
+        if ((any || mKernels == "mma") && mlaMmaTakes(in, mMma))
+            return "mma";
+        return "plain";
+    }
+
     Params mP;
+    MlaSm90Config mSm90;
+    MlaMmaConfig mMma;
+    std::string mKernels;   // K3TRT_MLA_KERNEL
 };
 
 OpPlugin* make(Attributes const& attrs, std::string& error)
