@@ -67,7 +67,7 @@ def engine(run: "Run", model, k: int, batches: list[int], drafter=None):
     caps = Capacities.plan(max_batch=max(batches), max_num_tokens=a.max_num_tokens, spec_tokens=k, verify=batches)
     plan = cache_plan(model.cfg, a, k, batches)
     llm = LLM.from_model(model, build=build_config(a), capacities=caps, prefix_caching=False, spec_tokens=k or None,
-                         drafter=drafter, cuda_graphs=True, kv_cache_memory=plan.total_bytes,
+                         drafter=drafter, cuda_graphs=True, adaptive_k=False, kv_cache_memory=plan.total_bytes,
                          num_blocks=plan.num_blocks)
     run.last_engine = weakref.ref(llm)
     try:

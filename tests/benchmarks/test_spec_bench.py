@@ -27,7 +27,7 @@ def engine(model, k: int = 0, drafter=None) -> LLM:
     caps = Capacities.plan(max_batch=4, max_num_tokens=64, spec_tokens=k, verify=[1, 4])
     build = BuildConfig(dtype="fp32", block_size=16, max_num_tokens=64, max_seq_len=128)
     return LLM.from_model(model, build=build, capacities=caps, prefix_caching=False, spec_tokens=k or None,
-                          drafter=drafter, cuda_graphs=False)
+                          drafter=drafter, cuda_graphs=False, adaptive_k=False)
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,7 @@ def test_unchanged_capacities_are_reused(ckpt_copy, tmp_path, monkeypatch, caplo
     assert fake.built == [] and fake.exported == ["verify_b1", "prefill_t1"]       # nothing exported again
     assert fake.loads == 1                                                         # nor the model loaded
     assert _files(out) == first                                                    # byte-identical engines
-    assert "reusing 2 of 2 capacities" in caplog.text and "5 checkpoint files unchanged" in caplog.text
+    assert "reusing 2 of 2 capacities" in caplog.text and "6 checkpoint files unchanged" in caplog.text
     assert "0 built, 2 reused" in caplog.text
 
     # a changed capacity list builds only the new capacities; the new `c` goes to a new data file
