@@ -40,6 +40,7 @@ from k3trt.engine.backends import runnable_here
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.engine_dir import EngineDir, EngineDirError, read_engine_dir
+from k3trt.runtime.encoder_graphs import DEFAULT_CAPACITIES
 from k3trt.runtime.engine import EngineSession, TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
@@ -362,7 +363,8 @@ def _torch_session(ed: EngineDir | None, model: torch.nn.Module, *, cfg, plan, r
               max_q=k + 1 if k else 0)
     if graphs:
         return GraphSession(model, cfg, plan, capacities=run_caps.verify, q_values=(1, k + 1) if k else (1,),
-                            max_blocks=-(-max_model_len // plan.block_size), **kw)
+                            max_blocks=-(-max_model_len // plan.block_size),
+                            encoder_capacities=run_caps.encoder or DEFAULT_CAPACITIES, **kw)
     return TorchSession(model, cfg, plan, **kw)
 
 
