@@ -56,6 +56,11 @@ class FilePolicy:
 
 UNTRUSTED = FilePolicy(local=False)
 
+# the onnx and TensorRT step graphs read input_ids only (engine/graph_io.py; docs/vision.md says why)
+NO_EMBEDS = ("this engine's step graphs take token ids only, not image embeddings (an onnx build's "
+             "--encoder-capacities graphs are exported and checked, not served): serve images from a torch "
+             "engine dir (k3trt build --backend torch)")
+
 
 @dataclass(frozen=True)
 class ImageInput:
@@ -146,8 +151,7 @@ class ImageIntake:
     def open(cls, model: torch.nn.Module | None, session: Any, limits: ImageLimits) -> "ImageIntake":
         tower = getattr(model, "vision", None) if model is not None else None
         if model is None or not getattr(session, "takes_embeds", False):
-            return cls(None, None, None, limits, "this engine's graphs take token ids only, not image embeddings: "
-                                                 "serve images from a torch engine dir (k3trt build --backend torch)")
+            return cls(None, None, None, limits, NO_EMBEDS)
         if tower is None:
             return cls(None, None, None, limits, "this model has no vision tower")
         if model.cfg.media_placeholder_token_id is None:

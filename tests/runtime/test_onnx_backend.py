@@ -28,9 +28,9 @@ from k3trt.cli import main as cli  # noqa: E402
 from k3trt.engine.engine_dir import read_engine_dir  # noqa: E402
 from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime.llm import LLM  # noqa: E402
-from k3trt.runtime.params import SamplingParams  # noqa: E402
+from k3trt.runtime.params import RequestError, SamplingParams  # noqa: E402
 from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
-from runtime_utils import assert_released, one_thread  # noqa: E402
+from runtime_utils import assert_released, one_thread, png  # noqa: E402
 
 # two verify capacities (B=1, 2) of K+1 = 4 rows; prefill 1, 2, 4, 8: six graphs
 BUILD = ["--dtype", "fp32", "--capacities", "1,2", "--max-num-tokens", "8", "--spec-tokens", "3",
@@ -123,6 +123,11 @@ def test_engine_backends_refuse_what_their_graphs_cannot_run(engines):
         LLM(onnx_dir, speculative="mtp", verify_checksums=False)
     with pytest.raises(ValueError, match="blocks of 16"):
         LLM(onnx_dir, block_size=32, verify_checksums=False)
+    llm = LLM(onnx_dir, verify_checksums=False)       # image prompts: refused by name, the engine keeps serving
+    with pytest.raises(RequestError, match="token ids only") as e:
+        llm.generate({"prompt": "<|media_pad|> what is this?", "images": [png(1)]})
+    assert e.value.field == "images"
+    assert len(llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
 def _free_port() -> int:
