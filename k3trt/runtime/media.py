@@ -15,7 +15,8 @@ RequestError naming ``images``.
 The encoder runs in the step loop (``encode``), once per image, on the plan's ``encodes`` (the
 scheduler picks them under its encoder budget); the embeddings stay on the request until its
 prefill has passed them (``release_passed``), and ``chunk_embeds`` gives a prefill step the rows
-they replace.
+they replace; ``request_embeds`` gives a chunk's rows by prompt position (the MTP drafter's
+copy, speculative/mtp.py).
 """
 
 from __future__ import annotations
@@ -240,21 +241,31 @@ def encode(session: Any, encodes: list[tuple["Request", int]]) -> None:
         raise RuntimeError(f"the vision encoder gave {rows.shape[0]} rows for {at} image tokens")
 
 
+def request_embeds(req: "Request", start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(positions int64 [N], embeddings [N, hidden]) of the request's image placeholders in
+    [start, end), or None when there are none there."""
+    positions, values = [], []
+    for i, im in enumerate(req.images):
+        lo, hi = max(im.offset, start), min(im.end, end)
+        if lo >= hi:
+            continue
+        emb = req.image_embeds.get(i)
+        if emb is None:
+            raise RuntimeError(f"request {req.request_id}: image {i} was not encoded before its prefill")
+        positions.append(torch.arange(lo, hi))
+        values.append(emb[lo - im.offset:hi - im.offset])
+    return (torch.cat(positions), torch.cat(values)) if positions else None
+
+
 def chunk_embeds(chunks: list["Chunk"]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows int64 [N] of the step's flat tokens, embeddings [N, hidden]) for every image
     placeholder in these prefill chunks, or None when they hold none."""
     rows, values, t0 = [], [], 0
     for c in chunks:
-        end = c.start + c.num_tokens
-        for i, im in enumerate(c.req.images):
-            lo, hi = max(im.offset, c.start), min(im.end, end)
-            if lo >= hi:
-                continue
-            emb = c.req.image_embeds.get(i)
-            if emb is None:
-                raise RuntimeError(f"request {c.req.request_id}: image {i} was not encoded before its prefill")
-            rows.append(torch.arange(t0 + lo - c.start, t0 + hi - c.start))
-            values.append(emb[lo - im.offset:hi - im.offset])
+        got = request_embeds(c.req, c.start, c.start + c.num_tokens)
+        if got is not None:
+            rows.append(got[0] - c.start + t0)
+            values.append(got[1])
         t0 += c.num_tokens
     return (torch.cat(rows), torch.cat(values)) if rows else None
 

@@ -91,6 +91,11 @@ class Drafter(abc.ABC):
         """The target's hidden states [n, hidden] (what ``K3ForCausalLM.forward`` returns, before
         the final norm) for history positions start..start+n-1. Only called when needs_hidden."""
 
+    def on_image_embeds(self, request_id: str, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """The image embeddings the target read in place of the token embeddings at these prompt
+        positions (int64 [n], rows [n, hidden]), after the on_hidden of the prefill chunk holding
+        them. Only called when needs_hidden; drafters that embed prompt tokens themselves use them."""
+
     def release(self, request_id: str) -> None:
         """Drop all state held for the request (finished, aborted, failed or preempted)."""
 
