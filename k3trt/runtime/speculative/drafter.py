@@ -5,6 +5,7 @@ Per step (see ARCHITECTURE.md, "One step of the runtime"), for the decoding requ
     prop = drafter.propose([DraftInput(r.request_id, r.token_ids, max_drafts=…), …], k)
     …verify rows [last committed token, *prop.tokens[i]] through the target, accept (acceptance.py)…
     drafter.on_hidden(r.request_id, start, hidden)     # only when drafter.needs_hidden (MTP)
+    drafter.on_image_embeds(r.request_id, positions, rows)   # needs_hidden, a prefill chunk with images
     drafter.on_commit(r.request_id, committed_tokens)  # the n accepted drafts + the target's token
     drafter.release(r.request_id)                      # when the request ends or is preempted
 

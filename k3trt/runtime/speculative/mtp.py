@@ -30,6 +30,12 @@ the new positions and always has a row to run. Rollback is implicit: speculative
 Guided requests draw under their grammar and a reduced draft vocabulary narrows the head
 (draw.py, draft_vocab.py).
 
+Image prompts: at an image placeholder the target read an image embedding, not the token's, and
+K3's serving code hands its MTP layer the same rows. ``on_image_embeds`` keeps a prefill chunk's
+image rows by position until step 0 runs over them (``_image_embeds``: then eagerly, not as a
+graph); without them the MTP cache rows over an image would be the placeholder's, and drafts that
+attend to the image would be accepted less often (outputs are the target's either way).
+
 A request resumed from the target's prefix cache (its first hand-over starts at position b > 0:
 the hiddens of the cached prompt were never computed) drafts from a window: its MTP sequence
 begins at b, its cache rows are those of positions b.. and its MLA attention reads them only. The
