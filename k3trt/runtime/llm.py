@@ -374,7 +374,8 @@ def _onnx_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities
         raise ValueError(f"{ed.path} is an onnx engine dir, run by onnxruntime on the CPU: use device cpu")
     return OnnxSession(ed.rank_dir, cfg, plan, verify=run_caps.verify, prefill=run_caps.prefill,
                        spec_tokens=built.spec_tokens, max_seq_len=build.max_seq_len, dtype=build.torch_dtype,
-                       kv_dtype=build.kv_torch_dtype, kv_scale=build.kv_scale, threads=torch.get_num_threads())
+                       kv_dtype=build.kv_torch_dtype, kv_scale=build.kv_scale, threads=torch.get_num_threads(),
+                       encoder=built.encoder)
 
 
 def _trt_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities, built: Capacities,

@@ -57,10 +57,9 @@ class FilePolicy:
 
 UNTRUSTED = FilePolicy(local=False)
 
-# the onnx and TensorRT step graphs read input_ids only (engine/graph_io.py; docs/vision.md says why)
-NO_EMBEDS = ("this engine's step graphs take token ids only, not image embeddings (an onnx build's "
-             "--encoder-capacities graphs are exported and checked, not served): serve images from a torch "
-             "engine dir (k3trt build --backend torch)")
+# step graphs that read input_ids only: TensorRT's, and onnx ones built without encoder capacities
+NO_EMBEDS = ("this engine's step graphs take token ids only, not image embeddings: serve images from a torch "
+             "engine dir (k3trt build --backend torch) or an onnx one built with --encoder-capacities")
 
 
 @dataclass(frozen=True)
@@ -143,22 +142,27 @@ def read_source(source: Any, files: FilePolicy, max_bytes: int) -> Any:
 
 class ImageIntake:
     """Turns (prompt ids, image sources) into a MediaPrompt for one model; `reason` says why an
-    engine takes no images (then every image request is refused with it)."""
+    engine takes no images (then every image request is refused with it); `max_patches`: the most
+    patches one image may have (an engine's largest encoder graph), None: any."""
 
-    def __init__(self, api: Any, vcfg: Any, placeholder: int | None, limits: ImageLimits, reason: str | None = None):
+    def __init__(self, api: Any, vcfg: Any, placeholder: int | None, limits: ImageLimits, reason: str | None = None,
+                 max_patches: int | None = None):
         self.api, self.vcfg, self.placeholder, self.limits, self.reason = api, vcfg, placeholder, limits, reason
+        self.max_patches = max_patches
 
     @classmethod
     def open(cls, model: torch.nn.Module | None, session: Any, limits: ImageLimits) -> "ImageIntake":
-        tower = getattr(model, "vision", None) if model is not None else None
-        if model is None or not getattr(session, "takes_embeds", False):
+        """`model`: the torch model (its tower), or None for an engine backend (the session's cfg)."""
+        if not getattr(session, "takes_embeds", False):
             return cls(None, None, None, limits, NO_EMBEDS)
-        if tower is None:
+        cfg = model.cfg if model is not None else session.cfg
+        if (getattr(model, "vision", None) if model is not None else cfg.vision) is None:
             return cls(None, None, None, limits, "this model has no vision tower")
-        if model.cfg.media_placeholder_token_id is None:
+        if cfg.media_placeholder_token_id is None:
             return cls(None, None, None, limits, "the model's config has no media_placeholder_token_id")
         import k3trt.model.vision as api  # noqa: PLC0415 (the tower's module: only for a model that has one)
-        return cls(api, model.cfg.vision, model.cfg.media_placeholder_token_id, limits)
+        return cls(api, cfg.vision, cfg.media_placeholder_token_id, limits,
+                   max_patches=getattr(session, "max_image_patches", None))
 
     def prepare(self, ids: Sequence[int], sources: Sequence[Any], files: FilePolicy = FilePolicy()) -> MediaPrompt:
         ids = list(ids)
@@ -195,6 +199,9 @@ class ImageIntake:
                 raise _bad(f"image {i} makes {n} image tokens; this engine encodes at most {lim.max_encoder_tokens} "
                            "per step (max_encoder_tokens)")
             patches = int(torch.prod(grid))
+            if self.max_patches is not None and patches > self.max_patches:
+                raise _bad(f"image {i} has {patches} patches; this engine's largest encoder graph holds "
+                           f"{self.max_patches} (build it with larger --encoder-capacities, or send a smaller image)")
             out += ids[prev:pos]
             images.append(ImageInput(pixel_values[patch0:patch0 + patches], grid, digests[i], len(out), n))
             out += [self.placeholder] * n
