@@ -8,7 +8,8 @@
     llm = LLM("engine_dir", tp=2, dcp=2, ep=2)   # one process per rank (rank_session.py); llm.health()
     llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
 
-    # images (a model with a vision tower, torch engine dir): one <|media_pad|> per image, in order
+    # images (a model with a vision tower; torch engine dir, or onnx with --encoder-capacities):
+    # one <|media_pad|> per image, in order
     llm.generate([{"prompt": "<|media_pad|> What is this?", "images": [pil_image_or_bytes_or_path]}])
     llm.chat([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Hi"}]}])
 
