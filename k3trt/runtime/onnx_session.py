@@ -78,8 +78,9 @@ class OnnxSession(CapacitySession):
         dims = {"num_blocks": plan.num_blocks, "num_slots": plan.num_slots + 1}
         self.caches = {n: torch.zeros(b.shape, dtype=b.dtype) for n, b in cache_bindings(cfg, specs, dims).items()}
         self.cache_names = frozenset(self.caches)
-        log.info("onnx session: %d graphs from %s in %.1fs, caches %.1f MiB", len(self.sessions), rank_dir,
-                 time.perf_counter() - t0, sum(c.nbytes for c in self.caches.values()) / 2**20)
+        log.info("onnx session: %d step graphs and %d encoder graphs from %s in %.1fs, caches %.1f MiB",
+                 len(self.sessions), len(self.encoders), rank_dir, time.perf_counter() - t0,
+                 sum(c.nbytes for c in self.caches.values()) / 2**20)
 
     def _check_io(self, spec: GraphSpec, sess) -> None:
         """The graph binds exactly the contract's names (engine/graph_io.py: io_specs), in order."""
