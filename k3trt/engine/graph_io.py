@@ -15,10 +15,10 @@ Graph inputs (names are the engine bindings; ``io_specs`` lists them with shapes
     wants), kda_slots int64 [S], positions int64 [N] (only for RoPE MLA layers; K3's are NoPE),
     image_embeds [N, hidden] in the model dtype and image_mask bool [N] (only prefill graphs of an
     engine built with encoder capacities: rows where the mask is set take image_embeds in place of
-    the token embedding; the onnx backend's image prompts), then the caches: mla_cache_{l} [num_blocks, block_size, D]; kda_state_{l} [num_slots, H, dk,
-    dv] fp32, kda_conv_{l} [num_slots, C, K-1]; verify also kda_step_state_{l} [num_slots, Q, H,
-    dk, dv] and kda_step_conv_{l} [num_slots, Q, C, K-1]. num_blocks and num_slots are dynamic
-    (DYNAMIC_DIMS).
+    the token embedding; the onnx backend's image prompts), then the caches: mla_cache_{l}
+    [num_blocks, block_size, D]; kda_state_{l} [num_slots, H, dk, dv] fp32, kda_conv_{l}
+    [num_slots, C, K-1]; verify also kda_step_state_{l} [num_slots, Q, H, dk, dv] and
+    kda_step_conv_{l} [num_slots, Q, C, K-1]. num_blocks and num_slots are dynamic (DYNAMIC_DIMS).
 Graph outputs: logits fp32, then every cache again as ``<name>_out``: the graph is functional
 (ONNX has no in-place update). An engine binds ``<name>_out`` to the same memory as ``<name>``
 only where the producing node supports it (a plugin declaring the alias, as MlaCacheWrite
