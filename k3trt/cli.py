@@ -99,7 +99,8 @@ def _encoder_capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | N
               "TensorRT-RTX's fallback without the library, the ops lowered to standard ONNX (dense MLA and "
               "experts, KDA unrolled: prefill capacities <= 64)")
 @click.option("--encoder-capacities", callback=_encoder_capacity_list,
-              help="vision encoder patch capacities, e.g. 1024,4096 (torch: recorded; onnx: one graph each)")
+              help="vision encoder patch capacities, e.g. 1024,4096 (torch: one CUDA graph each; onnx: one graph "
+                   "each, and prefill graphs that take image embeddings)")
 def build_cmd(checkpoint, output, backend, capacities, max_num_tokens, spec_tokens, dtype, kv_dtype,
               block_size, target, check_onnx, force, workers, device_memory, tp, dcp, ep, dcp_interleave,
               rtx_lowering, encoder_capacities) -> None:

@@ -63,7 +63,8 @@ def example_inputs(cfg: ModelConfig, spec: GraphSpec, *, num_blocks: int, num_sl
     values = {"input_ids": torch.randint(0, cfg.vocab_size, (N,), generator=g),
               "slot_mapping": table[seq, pos // bs].long() * bs + pos % bs,
               "block_table": table, "seq_lens": (ctx + Q).to(torch.int32),
-              "kda_slots": torch.randperm(num_slots, generator=g)[:S], "positions": pos}
+              "kda_slots": torch.randperm(num_slots, generator=g)[:S], "positions": pos,
+              "image_mask": torch.rand(N, generator=g) < 0.5}
     ins, _ = io_specs(cfg, spec)
     for t in ins:
         if t.name not in values:
@@ -122,6 +123,16 @@ class UniformStep(StepContext):
         return _Multiples(self.q)
 
 
+def image_rows(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+    """The model's `embeds` for a graph with image inputs: every row, image_embeds where image_mask
+    is set and the token embedding elsewhere (static shapes: no data-dependent row count)."""
+    if "image_embeds" not in inputs:
+        return None
+    tokens = model.model.embed_tokens(inputs["input_ids"])
+    rows = torch.where(inputs["image_mask"][:, None], inputs["image_embeds"].to(tokens.dtype), tokens)
+    return torch.arange(rows.shape[0], device=rows.device), rows
+
+
 class StepGraph(nn.Module):
     """The model over one capacity's step, inputs and outputs as ``io_specs`` lists them. The
     step's sizes are read from the inputs (block_table [S, ...], input_ids [N]), so the same
@@ -149,7 +160,7 @@ class StepGraph(nn.Module):
         # clones: the model updates these in place; returning them makes the graph functional
         caches = {t.name: x[t.name].clone() for t in cache_specs(cfg, spec)}
         cache = model_cache(cfg, spec, caches)
-        hidden = self.model(x["input_ids"], ctx, cache)
+        hidden = self.model(x["input_ids"], ctx, cache, embeds=image_rows(self.model, x))
         logits = self.model.logits(hidden if spec.kind == "verify" else hidden[-1:])
         return (logits, *caches.values())
 

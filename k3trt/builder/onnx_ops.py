@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from k3trt.builder.export import example_inputs, model_cache  # also registers the export-only wrapper ops
+from k3trt.builder.export import example_inputs, image_rows, model_cache  # also registers the export-only wrapper ops
 from k3trt.engine.graph_io import cache_specs
 from k3trt.model.context import StepContext
 from k3trt.plugins import ONNX_OPS
@@ -121,7 +121,7 @@ def reference_outputs(model, cfg, spec, inputs: dict[str, torch.Tensor]) -> dict
     caches = {t.name: inputs[t.name].clone() for t in cache_specs(cfg, spec)}
     cache = model_cache(cfg, spec, caches)
     with torch.no_grad():
-        hidden = model(inputs["input_ids"], ctx, cache)
+        hidden = model(inputs["input_ids"], ctx, cache, embeds=image_rows(model, inputs))
         logits = model.logits(hidden if spec.kind == "verify" else hidden[-1:])
     return {"logits": logits, **{f"{k}_out": v for k, v in caches.items()}}
 

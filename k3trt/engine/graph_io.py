@@ -13,10 +13,12 @@ Graph inputs (names are the engine bindings; ``io_specs`` lists them with shapes
     input_ids int64 [N], slot_mapping int64 [N] (negative: do not write), block_table int32
     [S, max_blocks], seq_lens int32 [S] (cached length after this step's rows, as mla_verify
     wants), kda_slots int64 [S], positions int64 [N] (only for RoPE MLA layers; K3's are NoPE),
-    then the caches: mla_cache_{l} [num_blocks, block_size, D]; kda_state_{l} [num_slots, H, dk,
-    dv] fp32, kda_conv_{l} [num_slots, C, K-1]; verify also kda_step_state_{l} [num_slots, Q, H,
-    dk, dv] and kda_step_conv_{l} [num_slots, Q, C, K-1]. num_blocks and num_slots are dynamic
-    (DYNAMIC_DIMS).
+    image_embeds [N, hidden] in the model dtype and image_mask bool [N] (only prefill graphs of an
+    engine built with encoder capacities: rows where the mask is set take image_embeds in place of
+    the token embedding; the onnx backend's image prompts), then the caches: mla_cache_{l}
+    [num_blocks, block_size, D]; kda_state_{l} [num_slots, H, dk, dv] fp32, kda_conv_{l}
+    [num_slots, C, K-1]; verify also kda_step_state_{l} [num_slots, Q, H, dk, dv] and
+    kda_step_conv_{l} [num_slots, Q, C, K-1]. num_blocks and num_slots are dynamic (DYNAMIC_DIMS).
 Graph outputs: logits fp32, then every cache again as ``<name>_out``: the graph is functional
 (ONNX has no in-place update). An engine binds ``<name>_out`` to the same memory as ``<name>``
 only where the producing node supports it (a plugin declaring the alias, as MlaCacheWrite
@@ -60,6 +62,7 @@ class GraphSpec:
     dtype: torch.dtype               # weights and activations
     kv_dtype: torch.dtype
     kv_scale: float = 1.0
+    image_embeds: bool = False       # prefill: takes image_embeds / image_mask (module doc)
 
     def __post_init__(self) -> None:
         if self.kind not in ("verify", "prefill"):
@@ -125,6 +128,8 @@ def io_specs(cfg: ModelConfig, spec: GraphSpec) -> tuple[list[TensorSpec], list[
            TensorSpec("kda_slots", (S,), torch.int64)]
     if uses_rope(cfg):
         ins.append(TensorSpec("positions", (N,), torch.int64))
+    if spec.image_embeds:
+        ins += [TensorSpec("image_embeds", (N, cfg.hidden_size), spec.dtype), TensorSpec("image_mask", (N,), torch.bool)]
     caches = cache_specs(cfg, spec)
     outs = [TensorSpec("logits", (spec.logit_rows, cfg.vocab_size), torch.float32)]
     outs += [dataclasses.replace(c, name=f"{c.name}_out") for c in caches]
@@ -133,9 +138,11 @@ def io_specs(cfg: ModelConfig, spec: GraphSpec) -> tuple[list[TensorSpec], list[
 
 def graph_specs(cfg: ModelConfig, capacities: Capacities, *, block_size: int, max_seq_len: int, dtype: torch.dtype,
                 kv_dtype: torch.dtype, kv_scale: float = 1.0) -> list[GraphSpec]:
-    """The GraphSpecs of every capacity (verify first), as the engine dir names them."""
+    """The GraphSpecs of every capacity (verify first), as the engine dir names them; the prefill
+    graphs take image embeddings when the model has a vision tower and encoder capacities."""
     # a padded verify request sees up to Q - 1 rows past its last live one
     max_blocks = -(-(max_seq_len + capacities.spec_tokens) // block_size)
     kw = dict(block_size=block_size, max_blocks=max_blocks, dtype=dtype, kv_dtype=kv_dtype, kv_scale=kv_scale)
     return ([GraphSpec.verify(b, capacities.spec_tokens, **kw) for b in capacities.verify] +
-            [GraphSpec.prefill(t, **kw) for t in capacities.prefill])
+            [GraphSpec.prefill(t, image_embeds=bool(capacities.encoder) and cfg.vision is not None, **kw)
+             for t in capacities.prefill])

@@ -11,7 +11,8 @@ engine/graph_io.py the same way:
   KDA state is then reset to the state after its last live row;
 - prefill runs exactly T tokens of one sequence per graph run: a chunk of n tokens runs as
   PrefillSlices at the capacities ``split_prefill`` gives; a fresh sequence's KDA slot is zeroed
-  first (the graph always continues from the slot's contents);
+  first (the graph always continues from the slot's contents); prefill graphs with image inputs
+  get the slice's rows of ``Batch.embeds`` (``image_embeds`` / ``image_mask``; other rows masked off);
 - the caches are the graphs' cache inputs, shared by every capacity; a run hands back each cache
   it writes (``<name>_out``).
 
@@ -105,8 +106,9 @@ def prefill_slices(batch: Batch, capacities: tuple[int, ...]) -> list[PrefillSli
     return out
 
 
-def prefill_inputs(batch: Batch, piece: PrefillSlice, spec: GraphSpec, *,
-                   positions: bool = False) -> dict[str, torch.Tensor]:
+def prefill_inputs(batch: Batch, piece: PrefillSlice, spec: GraphSpec, *, positions: bool = False,
+                   hidden_size: int = 0) -> dict[str, torch.Tensor]:
+    """One slice's graph inputs; `hidden_size`: the width of image_embeds (graphs that take them)."""
     t0 = sum(batch.q_lens[:piece.seq]) + piece.start
     ctx = batch.ctx_lens[piece.seq] + piece.start
     table = torch.zeros(1, spec.max_blocks, dtype=torch.int32)
@@ -118,6 +120,16 @@ def prefill_inputs(batch: Batch, piece: PrefillSlice, spec: GraphSpec, *,
          "kda_slots": batch.kda_slots[piece.seq:piece.seq + 1].clone()}
     if positions:
         x["positions"] = torch.arange(ctx, ctx + piece.capacity)
+    if spec.image_embeds:
+        x["image_embeds"] = torch.zeros(piece.capacity, hidden_size, dtype=spec.dtype)
+        x["image_mask"] = torch.zeros(piece.capacity, dtype=torch.bool)
+        if batch.embeds is not None:
+            rows, values = batch.embeds
+            here = (rows >= t0) & (rows < t0 + piece.capacity)
+            x["image_embeds"][rows[here] - t0] = values[here].to("cpu", spec.dtype)
+            x["image_mask"][rows[here] - t0] = True
+    elif batch.embeds is not None and bool(((batch.embeds[0] >= t0) & (batch.embeds[0] < t0 + piece.capacity)).any()):
+        raise NotImplementedError(f"{spec.name} takes token ids only, not image embeddings (media.NO_EMBEDS)")
     return x
 
 
@@ -169,8 +181,6 @@ class CapacitySession(EngineSession):
 
     def prefill(self, batch: Batch) -> torch.Tensor:
         self._no_hidden(batch)
-        if batch.embeds is not None:      # image requests are refused at submission (media.ImageIntake)
-            raise NotImplementedError("engine graphs take token ids only, not image embeddings")
         ends = {i: sum(batch.q_lens[:i + 1]) - 1 for i in range(len(batch.q_lens))}
         wanted = {int(r): i for i, e in ends.items() for r in batch.logit_rows.tolist() if r == e}
         if len(wanted) != len(batch.logit_rows):
@@ -182,7 +192,8 @@ class CapacitySession(EngineSession):
         last = {}
         for piece in prefill_slices(batch, self.prefill_caps):
             name = f"prefill_t{piece.capacity}"
-            logits = self._run(name, prefill_inputs(batch, piece, self.specs[name], positions=self.rope))
+            logits = self._run(name, prefill_inputs(batch, piece, self.specs[name], positions=self.rope,
+                                                    hidden_size=self.cfg.hidden_size))
             if piece.last:
                 last[piece.seq] = logits[0].clone()
         return torch.stack([last[wanted[int(r)]] for r in batch.logit_rows.tolist()]) if wanted else \

@@ -15,7 +15,9 @@ chunks, and batches larger than every captured capacity, run eagerly through Tor
 ``graph_stats`` counts each kind.
 
 ``GraphSession(capture=False)`` runs the same padded static path without capturing (any device):
-the tests use it on the CPU to check the padding against the eager path.
+the tests use it on the CPU to check the padding against the eager path. Given
+``encoder_capacities``, a model with a vision tower also runs its encoder as static steps, one
+graph per patch capacity (runtime/encoder_graphs.py), captured on the first step with images.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import StepContext
+from k3trt.runtime.encoder_graphs import EncoderGraphs
 from k3trt.runtime.engine import Batch, TorchSession
 from k3trt.runtime.kv_cache import CachePlan
 
@@ -141,7 +144,8 @@ class GraphSession(TorchSession):
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, plan: CachePlan, *, device: torch.device | str,
                  dtype: torch.dtype, kv_dtype: torch.dtype, kv_scale: float = 1.0, max_q: int = 0,
-                 capacities: tuple[int, ...], q_values: tuple[int, ...], max_blocks: int, capture: bool = True):
+                 capacities: tuple[int, ...], q_values: tuple[int, ...], max_blocks: int, capture: bool = True,
+                 encoder_capacities: tuple[int, ...] | None = None):
         super().__init__(model, cfg, plan, device=device, dtype=dtype, kv_dtype=kv_dtype, kv_scale=kv_scale,
                          max_q=max_q, spare_slots=1)
         self.spare_slot = plan.num_slots            # the one slot past the cache manager's
@@ -152,6 +156,9 @@ class GraphSession(TorchSession):
                       for S in capacities for Q in q_values if Q <= max(max_q, 1)}
         if self.capture:
             self._capture_all()
+        tower = getattr(model, "vision", None)
+        self._encoder = None if tower is None or encoder_capacities is None else (tower, tuple(encoder_capacities))
+        self.encoder_graphs: EncoderGraphs | None = None    # on the first image step: text-only runs capture none
 
     # ---------------------------------------------------------------------------------- capture
     def _capture_all(self) -> None:
@@ -201,6 +208,15 @@ class GraphSession(TorchSession):
         slots.copy_(torch.where(slots >= 0, moved, slots))
 
     # ---------------------------------------------------------------------------------- steps
+    def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
+        if self._encoder is None:
+            return super().encode_images(pixel_values, grid_thws)
+        if self.encoder_graphs is None:
+            tower, caps = self._encoder
+            self.encoder_graphs = EncoderGraphs(tower, caps, device=self.device, dtype=next(tower.parameters()).dtype,
+                                                capture=self.capture)
+        return self.encoder_graphs(pixel_values, grid_thws)
+
     def verify(self, batch: Batch, device_ids: torch.Tensor | None = None,
                shift: torch.Tensor | None = None) -> torch.Tensor:
         """device_ids: the step's ids on the device, int64 [T] (one row per sequence) or [S, q] (row j

@@ -8,7 +8,8 @@
     llm = LLM("engine_dir", tp=2, dcp=2, ep=2)   # one process per rank (rank_session.py); llm.health()
     llm.generate("Reply in JSON:", SamplingParams(guided={"json_schema": schema}, max_tokens=64))
 
-    # images (a model with a vision tower, torch engine dir): one <|media_pad|> per image, in order
+    # images (a model with a vision tower; torch engine dir, or onnx with --encoder-capacities):
+    # one <|media_pad|> per image, in order
     llm.generate([{"prompt": "<|media_pad|> What is this?", "images": [pil_image_or_bytes_or_path]}])
     llm.chat([{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Hi"}]}])
 
@@ -40,6 +41,7 @@ from k3trt.engine.backends import runnable_here
 from k3trt.engine.build_config import BuildConfig
 from k3trt.engine.capacities import Capacities
 from k3trt.engine.engine_dir import EngineDir, EngineDirError, read_engine_dir
+from k3trt.runtime.encoder_graphs import DEFAULT_CAPACITIES
 from k3trt.runtime.engine import EngineSession, TorchSession
 from k3trt.runtime.graphs import GraphSession, graphs_by_default
 from k3trt.runtime.kv_cache import CacheManager, plan_cache
@@ -362,7 +364,8 @@ def _torch_session(ed: EngineDir | None, model: torch.nn.Module, *, cfg, plan, r
               max_q=k + 1 if k else 0)
     if graphs:
         return GraphSession(model, cfg, plan, capacities=run_caps.verify, q_values=(1, k + 1) if k else (1,),
-                            max_blocks=-(-max_model_len // plan.block_size), **kw)
+                            max_blocks=-(-max_model_len // plan.block_size),
+                            encoder_capacities=run_caps.encoder or DEFAULT_CAPACITIES, **kw)
     return TorchSession(model, cfg, plan, **kw)
 
 
@@ -372,7 +375,8 @@ def _onnx_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities
         raise ValueError(f"{ed.path} is an onnx engine dir, run by onnxruntime on the CPU: use device cpu")
     return OnnxSession(ed.rank_dir, cfg, plan, verify=run_caps.verify, prefill=run_caps.prefill,
                        spec_tokens=built.spec_tokens, max_seq_len=build.max_seq_len, dtype=build.torch_dtype,
-                       kv_dtype=build.kv_torch_dtype, kv_scale=build.kv_scale, threads=torch.get_num_threads())
+                       kv_dtype=build.kv_torch_dtype, kv_scale=build.kv_scale, threads=torch.get_num_threads(),
+                       encoder=built.encoder)
 
 
 def _trt_session(ed: EngineDir, model: None, *, cfg, plan, run_caps: Capacities, built: Capacities,

@@ -230,8 +230,8 @@ class StepLoop:
         out = run_plan(self.session, plan, block_size=self.cache.block_size, keep_hidden=self.spec.needs_hidden)
         self.count_step(plan)
         for c, hidden in zip(plan.prefills, out.chunk_hidden):
-            release_passed(c.req, c.start + c.num_tokens)
             self.spec.on_prefill(c.req, c.start, hidden, self.fault)
+            release_passed(c.req, c.start + c.num_tokens)
             if not c.completes and not c.req.finished:     # a completing chunk moves at its commit
                 c.req.num_computed += c.num_tokens
                 self.cache.commit(c.req)

@@ -15,7 +15,8 @@ RequestError naming ``images``.
 The encoder runs in the step loop (``encode``), once per image, on the plan's ``encodes`` (the
 scheduler picks them under its encoder budget); the embeddings stay on the request until its
 prefill has passed them (``release_passed``), and ``chunk_embeds`` gives a prefill step the rows
-they replace.
+they replace; ``request_embeds`` gives a chunk's rows by prompt position (the MTP drafter's
+copy, speculative/mtp.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class FilePolicy:
 
 
 UNTRUSTED = FilePolicy(local=False)
+
+# step graphs that read input_ids only: TensorRT's, and onnx ones built without encoder capacities
+NO_EMBEDS = ("this engine's step graphs take token ids only, not image embeddings: serve images from a torch "
+             "engine dir (k3trt build --backend torch) or an onnx one built with --encoder-capacities")
 
 
 @dataclass(frozen=True)
@@ -137,23 +142,27 @@ def read_source(source: Any, files: FilePolicy, max_bytes: int) -> Any:
 
 class ImageIntake:
     """Turns (prompt ids, image sources) into a MediaPrompt for one model; `reason` says why an
-    engine takes no images (then every image request is refused with it)."""
+    engine takes no images (then every image request is refused with it); `max_patches`: the most
+    patches one image may have (an engine's largest encoder graph), None: any."""
 
-    def __init__(self, api: Any, vcfg: Any, placeholder: int | None, limits: ImageLimits, reason: str | None = None):
+    def __init__(self, api: Any, vcfg: Any, placeholder: int | None, limits: ImageLimits, reason: str | None = None,
+                 max_patches: int | None = None):
         self.api, self.vcfg, self.placeholder, self.limits, self.reason = api, vcfg, placeholder, limits, reason
+        self.max_patches = max_patches
 
     @classmethod
     def open(cls, model: torch.nn.Module | None, session: Any, limits: ImageLimits) -> "ImageIntake":
-        tower = getattr(model, "vision", None) if model is not None else None
-        if model is None or not getattr(session, "takes_embeds", False):
-            return cls(None, None, None, limits, "this engine's graphs take token ids only, not image embeddings: "
-                                                 "serve images from a torch engine dir (k3trt build --backend torch)")
-        if tower is None:
+        """`model`: the torch model (its tower), or None for an engine backend (the session's cfg)."""
+        if not getattr(session, "takes_embeds", False):
+            return cls(None, None, None, limits, NO_EMBEDS)
+        cfg = model.cfg if model is not None else session.cfg
+        if (getattr(model, "vision", None) if model is not None else cfg.vision) is None:
             return cls(None, None, None, limits, "this model has no vision tower")
-        if model.cfg.media_placeholder_token_id is None:
+        if cfg.media_placeholder_token_id is None:
             return cls(None, None, None, limits, "the model's config has no media_placeholder_token_id")
         import k3trt.model.vision as api  # noqa: PLC0415 (the tower's module: only for a model that has one)
-        return cls(api, model.cfg.vision, model.cfg.media_placeholder_token_id, limits)
+        return cls(api, cfg.vision, cfg.media_placeholder_token_id, limits,
+                   max_patches=getattr(session, "max_image_patches", None))
 
     def prepare(self, ids: Sequence[int], sources: Sequence[Any], files: FilePolicy = FilePolicy()) -> MediaPrompt:
         ids = list(ids)
@@ -190,6 +199,9 @@ class ImageIntake:
                 raise _bad(f"image {i} makes {n} image tokens; this engine encodes at most {lim.max_encoder_tokens} "
                            "per step (max_encoder_tokens)")
             patches = int(torch.prod(grid))
+            if self.max_patches is not None and patches > self.max_patches:
+                raise _bad(f"image {i} has {patches} patches; this engine's largest encoder graph holds "
+                           f"{self.max_patches} (build it with larger --encoder-capacities, or send a smaller image)")
             out += ids[prev:pos]
             images.append(ImageInput(pixel_values[patch0:patch0 + patches], grid, digests[i], len(out), n))
             out += [self.placeholder] * n
@@ -236,21 +248,31 @@ def encode(session: Any, encodes: list[tuple["Request", int]]) -> None:
         raise RuntimeError(f"the vision encoder gave {rows.shape[0]} rows for {at} image tokens")
 
 
+def request_embeds(req: "Request", start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(positions int64 [N], embeddings [N, hidden]) of the request's image placeholders in
+    [start, end), or None when there are none there."""
+    positions, values = [], []
+    for i, im in enumerate(req.images):
+        lo, hi = max(im.offset, start), min(im.end, end)
+        if lo >= hi:
+            continue
+        emb = req.image_embeds.get(i)
+        if emb is None:
+            raise RuntimeError(f"request {req.request_id}: image {i} was not encoded before its prefill")
+        positions.append(torch.arange(lo, hi))
+        values.append(emb[lo - im.offset:hi - im.offset])
+    return (torch.cat(positions), torch.cat(values)) if positions else None
+
+
 def chunk_embeds(chunks: list["Chunk"]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows int64 [N] of the step's flat tokens, embeddings [N, hidden]) for every image
     placeholder in these prefill chunks, or None when they hold none."""
     rows, values, t0 = [], [], 0
     for c in chunks:
-        end = c.start + c.num_tokens
-        for i, im in enumerate(c.req.images):
-            lo, hi = max(im.offset, c.start), min(im.end, end)
-            if lo >= hi:
-                continue
-            emb = c.req.image_embeds.get(i)
-            if emb is None:
-                raise RuntimeError(f"request {c.req.request_id}: image {i} was not encoded before its prefill")
-            rows.append(torch.arange(t0 + lo - c.start, t0 + hi - c.start))
-            values.append(emb[lo - im.offset:hi - im.offset])
+        got = request_embeds(c.req, c.start, c.start + c.num_tokens)
+        if got is not None:
+            rows.append(got[0] - c.start + t0)
+            values.append(got[1])
         t0 += c.num_tokens
     return (torch.cat(rows), torch.cat(values)) if rows else None
 

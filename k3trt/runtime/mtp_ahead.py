@@ -64,6 +64,9 @@ class MTPAhead(Drafter):
             if st is not None and st.hidden is not None and len(st.hidden):
                 st.valid, st.hidden = st.known - 1, st.hidden[-1:]
 
+    def on_image_embeds(self, request_id: str, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        self.inner.on_image_embeds(request_id, positions, rows)
+
     def release(self, request_id: str) -> None:
         self.ahead.discard(request_id)
         self.inner.release(request_id)

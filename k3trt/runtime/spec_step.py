@@ -31,6 +31,7 @@ from k3trt.runtime import sampling
 from k3trt.runtime.adaptive_k import AdaptiveK, k_used_stats, next_k, update
 from k3trt.runtime.ranks import RankFailure
 from k3trt.runtime.request import Request
+from k3trt.runtime.media import request_embeds
 from k3trt.runtime.step import Rows
 from k3trt.runtime.speculative import (AcceptanceStats, Accepted, DraftInput, Drafter, NoDrafter, accept_greedy,
                                        accept_stochastic, pad_drafts, pad_q)
@@ -119,9 +120,14 @@ class Speculator:
 
     # ------------------------------------------------------------------------ hand-over
     def on_prefill(self, req: Request, start: int, hidden: torch.Tensor | None, fault: Fault) -> None:
-        """A prefill chunk of the request ran: MTP-style drafters get its rows' hidden states."""
+        """A prefill chunk of the request ran: MTP-style drafters get its rows' hidden states and
+        the image embeddings at its image placeholders (before media.release_passed drops them)."""
         if self.needs_hidden and self.wants(req) and hidden is not None:
-            self._call(req, fault, self.drafter.on_hidden, req.request_id, start, hidden)
+            if not self._call(req, fault, self.drafter.on_hidden, req.request_id, start, hidden):
+                return
+            embeds = request_embeds(req, start, start + len(hidden)) if req.images else None
+            if embeds is not None:
+                self._call(req, fault, self.drafter.on_image_embeds, req.request_id, *embeds)
 
     def committed(self, req: Request, start: int, tokens: list[int], hidden: torch.Tensor | None,
                   fault: Fault) -> None:

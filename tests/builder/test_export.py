@@ -3,6 +3,7 @@ weights, onnx.checker, and onnxruntime equivalence with the eager model (prefill
 capacities each); the native lowerings against their ops."""
 
 import collections
+import dataclasses
 
 import onnx
 import pytest
@@ -11,7 +12,7 @@ import torch
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime_extensions")
 
-from k3trt.builder.export import StepGraph, example_inputs, export_mode, model_cache  # noqa: E402
+from k3trt.builder.export import StepGraph, example_inputs, export_graph, export_mode, model_cache  # noqa: E402
 from k3trt.builder.families import families  # noqa: E402
 from k3trt.builder.onnx_ops import DOMAIN, check_graph, native_lowerings, reference_outputs  # noqa: E402
 from k3trt.builder.rank import build_rank  # noqa: E402
@@ -96,6 +97,25 @@ def test_step_graph_equals_the_model_eagerly(tiny_model):
         names = [t.name for t in io_specs(cfg, spec)[1]]
         for n, g in zip(names, got):
             torch.testing.assert_close(g, ref[n], atol=2e-4, rtol=2e-3, msg=f"{spec.name} {n}")
+
+
+def test_prefill_graph_with_image_embeds(tiny_model, tmp_path):
+    """An engine with encoder capacities: its prefill graphs (not its verify graphs) take
+    image_embeds / image_mask; onnxruntime equals the model with the masked rows replaced, and the
+    rows change the logits."""
+    cfg, model = tiny_model
+    specs = {s.name: s for s in graph_specs(cfg, dataclasses.replace(CAPS, encoder=(64,)), block_size=BLOCK,
+                                            max_seq_len=MAX_SEQ, dtype=torch.float32, kv_dtype=torch.float32)}
+    assert [n for n, s in specs.items() if s.image_embeds] == ["prefill_t1", "prefill_t4", "prefill_t32"]
+    spec = specs["prefill_t4"]
+    names = [t.name for t in io_specs(cfg, spec)[0]]
+    assert {"image_embeds", "image_mask"} <= set(names) and "image_embeds" not in {
+        t.name for t in io_specs(cfg, specs["verify_b1"])[0]}
+    check_graph(export_graph(model, cfg, spec, tmp_path / "prefill_t4.onnx"), model, cfg, spec)
+    inputs = example_inputs(cfg, spec, num_blocks=spec.max_blocks + 1, num_slots=3)
+    assert inputs["image_mask"].any()
+    plain = reference_outputs(model, cfg, spec, {**inputs, "image_mask": torch.zeros_like(inputs["image_mask"])})
+    assert not torch.allclose(reference_outputs(model, cfg, spec, inputs)["logits"], plain["logits"])
 
 
 def test_export_mode_restores_what_it_patches(tiny_model):

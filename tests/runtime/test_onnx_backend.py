@@ -2,7 +2,8 @@
 TensorRT backends build from, and `k3trt run`, the Python API and the server generate through
 them (onnxruntime on the CPU, k3trt nodes as custom ops) exactly what the torch backend
 generates: greedy, with speculation (K=3: every verify row through the verify graphs, padded
-requests and rows, KDA rollback of rejected drafts) and with a JSON schema.
+requests and rows, KDA rollback of rejected drafts), with a JSON schema, and with images (the
+encoder graphs of --encoder-capacities, image embeddings into the prefill graphs).
 
 Drafts come from a draft checkpoint (draft:DIR): the graphs give logits only, so MTP, which
 runs on the target's hidden states, needs a torch engine dir; n-gram drafts rarely occur on a
@@ -28,13 +29,13 @@ from k3trt.cli import main as cli  # noqa: E402
 from k3trt.engine.engine_dir import read_engine_dir  # noqa: E402
 from k3trt.model.make_checkpoint import make_checkpoint  # noqa: E402
 from k3trt.runtime.llm import LLM  # noqa: E402
-from k3trt.runtime.params import SamplingParams  # noqa: E402
+from k3trt.runtime.params import RequestError, SamplingParams  # noqa: E402
 from k3trt.serve import ServeConfig, ServerThread  # noqa: E402
-from runtime_utils import assert_released, one_thread  # noqa: E402
+from runtime_utils import assert_released, one_thread, png  # noqa: E402
 
-# two verify capacities (B=1, 2) of K+1 = 4 rows; prefill 1, 2, 4, 8: six graphs
+# two verify capacities (B=1, 2) of K+1 = 4 rows; prefill 1, 2, 4, 8: six graphs; encoder 16, 64 patches
 BUILD = ["--dtype", "fp32", "--capacities", "1,2", "--max-num-tokens", "8", "--spec-tokens", "3",
-         "--block-size", "16"]
+         "--block-size", "16", "--encoder-capacities", "16,64"]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 PROMPT = "the cat sat on the mat, the cat sat on the mat, the cat"
 
@@ -49,7 +50,7 @@ def engines(tiny_ckpt, tmp_path_factory):
     assert r.exit_code == 0, r.output
     torch_dir = build_engine(tiny_ckpt, root / "torch", backend="torch", dtype="fp32", capacities=[1, 2],
                              max_num_tokens=8, spec_tokens=3, block_size=16)
-    print(f"onnx build of the tiny checkpoint (6 graphs): {seconds:.1f}s")
+    print(f"onnx build of the tiny checkpoint (6 step graphs, 2 encoder graphs): {seconds:.1f}s")
     return root / "onnx", torch_dir, seconds
 
 
@@ -57,7 +58,7 @@ def test_the_build_writes_the_engine_graphs(engines):
     ed = read_engine_dir(engines[0])
     assert ed.backend == "onnx" and ed.target is None
     names = {f"rank0/{n}.onnx" for n in ("verify_b1", "verify_b2", "prefill_t1", "prefill_t2", "prefill_t4",
-                                          "prefill_t8")}
+                                          "prefill_t8", "encoder_p16", "encoder_p64")}
     assert names | {"rank0/weights.bin"} <= set(ed.files)
     assert not [f for f in ed.files if f.endswith(".engine")]
 
@@ -125,6 +126,27 @@ def test_engine_backends_refuse_what_their_graphs_cannot_run(engines):
         LLM(onnx_dir, speculative="mtp", verify_checksums=False)
     with pytest.raises(ValueError, match="blocks of 16"):
         LLM(onnx_dir, block_size=32, verify_checksums=False)
+    llm = LLM(onnx_dir, verify_checksums=False, max_encoder_tokens=32)   # an image past the largest encoder graph
+    with pytest.raises(RequestError, match="largest encoder graph holds 64") as e:
+        llm.generate({"prompt": "<|media_pad|> what is this?", "images": [png(1, 140, 112)]})
+    assert e.value.field == "images"
+    assert len(llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_image_prompts_equal_the_torch_backend(engines):
+    """Two requests, three images (16 + 24 + 16 patches: one encoder call pads to 64, the next image
+    runs in a second call), placeholders across prefill slices."""
+    onnx_dir, torch_dir, _ = engines
+    prompts = [{"prompt": "<|media_pad|> and <|media_pad|>: which is brighter?", "images": [png(1), png(2, 84, 56)]},
+               {"prompt": "Describe <|media_pad|> briefly.", "images": [png(3)]}]
+    outs = {}
+    with one_thread():
+        for name, d in (("torch", torch_dir), ("onnx", onnx_dir)):
+            llm = LLM(d, verify_checksums=False, max_encoder_tokens=16)
+            outs[name] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
+            assert_released(llm)
+            llm.close()
+    assert outs["onnx"] == outs["torch"]
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ from k3trt.cli import main
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.media import ImageIntake, ImageLimits, MediaPrompt
 from k3trt.runtime.params import RequestError, SamplingParams
+from k3trt.testing import assert_close
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 MEDIA_PAD_ID = 129287                 # <|media_pad|> in the K3 tokenizer
@@ -114,6 +115,32 @@ def test_greedy_speculation_equals_greedy_on_an_image_prompt(engine, vision, met
     want = _llm(engine).generate(p, params)[0].token_ids
     llm = _llm(engine, speculative=method, spec_tokens=2)
     assert llm.generate(p, params)[0].token_ids == want
+    assert_released(llm)
+
+
+def test_mtp_drafts_from_the_image_embeddings(engine, vision):
+    """The MTP layer embeds prompt tokens itself: at image placeholders it takes the image rows the
+    target read, not the placeholder's token embedding (K3's serving code feeds them the same way)."""
+    p = {"prompt": TEXT + " <|media_pad|> and <|media_pad|> " + TEXT, "images": [png(7, 112, 56), png(8)]}
+    llm = _llm(engine, speculative="mtp", spec_tokens=2)
+    drafter, seen = llm.spec.drafter, []
+    forward = drafter._forward
+
+    def spy(ids, prev, ctx, embeds=None):
+        if embeds is not None:
+            seen.append((ids.clone(), embeds[0].clone(), embeds[1].clone()))
+        return forward(ids, prev, ctx, embeds)
+
+    drafter._forward = spy
+    out = llm.generate(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    prompt = _prompt(llm, p["prompt"], p["images"])
+    assert len(seen) == 1 and drafter.stats()["image_rows"] == sum(im.num_tokens for im in prompt.images)
+    ids, rows, values = seen[0]
+    assert ids.tolist() == prompt.ids[1:] + out.token_ids[:1]     # step 0: the tokens after position 0
+    assert rows.tolist() == [q - 1 for im in prompt.images for q in range(im.offset, im.end)]
+    with torch.inference_mode():
+        want = torch.cat([llm.session.model.vision(im.pixel_values, im.grid_thw[None]) for im in prompt.images])
+    assert_close(values, want, dtype=torch.float32)
     assert_released(llm)
 
 

@@ -5,6 +5,7 @@ Per step (see ARCHITECTURE.md, "One step of the runtime"), for the decoding requ
     prop = drafter.propose([DraftInput(r.request_id, r.token_ids, max_drafts=…), …], k)
     …verify rows [last committed token, *prop.tokens[i]] through the target, accept (acceptance.py)…
     drafter.on_hidden(r.request_id, start, hidden)     # only when drafter.needs_hidden (MTP)
+    drafter.on_image_embeds(r.request_id, positions, rows)   # needs_hidden, a prefill chunk with images
     drafter.on_commit(r.request_id, committed_tokens)  # the n accepted drafts + the target's token
     drafter.release(r.request_id)                      # when the request ends or is preempted
 
@@ -90,6 +91,11 @@ class Drafter(abc.ABC):
     def on_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
         """The target's hidden states [n, hidden] (what ``K3ForCausalLM.forward`` returns, before
         the final norm) for history positions start..start+n-1. Only called when needs_hidden."""
+
+    def on_image_embeds(self, request_id: str, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """The image embeddings the target read in place of the token embeddings at these prompt
+        positions (int64 [n], rows [n, hidden]), after the on_hidden of the prefill chunk holding
+        them. Only called when needs_hidden; drafters that embed prompt tokens themselves use them."""
 
     def release(self, request_id: str) -> None:
         """Drop all state held for the request (finished, aborted, failed or preempted)."""

@@ -30,6 +30,12 @@ the new positions and always has a row to run. Rollback is implicit: speculative
 Guided requests draw under their grammar and a reduced draft vocabulary narrows the head
 (draw.py, draft_vocab.py).
 
+Image prompts: at an image placeholder the target read an image embedding, not the token's, and
+K3's serving code hands its MTP layer the same rows. ``on_image_embeds`` keeps a prefill chunk's
+image rows by position until step 0 runs over them (``_image_embeds``: then eagerly, not as a
+graph); without them the MTP cache rows over an image would be the placeholder's, and drafts that
+attend to the image would be accepted less often (outputs are the target's either way).
+
 A request resumed from the target's prefix cache (its first hand-over starts at position b > 0:
 the hiddens of the cached prompt were never computed) drafts from a window: its MTP sequence
 begins at b, its cache rows are those of positions b.. and its MLA attention reads them only. The
@@ -67,6 +73,8 @@ class _MTPSeq:
     valid: int = 0                             # MTP cache positions computed from true hiddens
     hidden: torch.Tensor | None = None         # target hiddens of positions valid.. [m, H]
     generator: torch.Generator | None = None
+    image_pos: torch.Tensor | None = None      # prompt positions holding image rows, not yet run [n]
+    image_rows: torch.Tensor | None = None     # their embeddings [n, H] (on_image_embeds)
 
     @property
     def known(self) -> int:
@@ -97,6 +105,7 @@ class MTPDrafter(Drafter):
         self.blocks = BlockList(nb)
         self.seqs: dict[str, _MTPSeq] = {}
         self.eager_steps = 0
+        self.image_rows = 0                       # image embeddings used in place of token embeddings
         if graphs is None:
             graphs = graphs_by_default(self.device, p.dtype)
         self.graphs = MTPGraphs(self._forward, self._finish, hidden_size=cfg.hidden_size, dtype=p.dtype,
@@ -127,6 +136,16 @@ class MTPDrafter(Drafter):
         else:                          # clone/cat: the runtime may reuse its output buffer
             keep = st.hidden[:start - st.valid] if st.hidden is not None else h[:0]
             st.hidden = torch.cat([keep, h])
+
+    def on_image_embeds(self, request_id: str, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        st = self.seqs.get(request_id)
+        if st is None:
+            return
+        positions, rows = positions.to(self.device), rows.to(self.device, self.model.lm_head.weight.dtype)
+        if st.image_pos is not None:       # a recomputed chunk (preemption) brings its rows again
+            keep = st.image_pos < positions.min()
+            positions, rows = torch.cat([st.image_pos[keep], positions]), torch.cat([st.image_rows[keep], rows])
+        st.image_pos, st.image_rows = positions, rows
 
     def propose(self, inputs: Sequence[DraftInput], k: int) -> Proposal:
         k = min(k, self.k_max)
@@ -164,18 +183,20 @@ class MTPDrafter(Drafter):
 
     def stats(self) -> dict[str, int]:
         steps = {f"{k}_steps": v for k, v in self.graphs.stats.items()} if self.graphs is not None else {}
-        return {**self.draw.stats(), **steps, "eager_steps": self.eager_steps}
+        return {**self.draw.stats(), **steps, "eager_steps": self.eager_steps, "image_rows": self.image_rows}
 
     # ------------------------------------------------------------------------ internals
     def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:
         """The draft steps of propose (module doc); a row whose draw gives no token drafts no further."""
         steps = [SeqStep(inp.token_ids[st.valid + 1:], st.valid - st.base, st.blocks, 0) for _, inp, st, _ in live]
         prev = torch.cat([st.hidden for _, _, st, _ in live])
+        embeds = self._image_embeds(live, steps)
         for _, inp, st, _ in live:
             st.valid, st.hidden = len(inp.token_ids) - 2, st.hidden[-1:]
         rows = live
         for j in range(max(w for *_, w in live)):
-            g, logits = self._step(steps, prev)
+            g, logits = self._step(steps, prev, embeds)
+            embeds = None
             toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
                                      masks)
             for (i, *_), t, qr in zip(rows, toks, q):
@@ -190,22 +211,46 @@ class MTPDrafter(Drafter):
             steps = [SeqStep([out.tokens[i][-1]], len(inp.token_ids) - 1 + j - st.base, st.blocks, 0)
                      for i, inp, st, _ in rows]
 
-    def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _image_embeds(self, live: list, steps: list[SeqStep]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows int64 [n] of step 0's flat tokens, their image embeddings [n, H]): step 0's row r of
+        a sequence embeds the token at position valid + 1 + r, where the target read an image
+        embedding if that position is an image placeholder. The sequences' rows are used up here."""
+        rows, values, t0 = [], [], 0
+        for (_, _, st, _), s in zip(live, steps):
+            if st.image_pos is not None:
+                first = st.valid + 1
+                here = (st.image_pos >= first) & (st.image_pos < first + len(s.tokens))
+                rows.append(st.image_pos[here] - first + t0)
+                values.append(st.image_rows[here])
+                st.image_pos = st.image_rows = None
+            t0 += len(s.tokens)
+        if not rows or not sum(len(r) for r in rows):
+            return None
+        self.image_rows += sum(len(r) for r in rows)
+        return torch.cat(rows), torch.cat(values)
+
+    def _step(self, steps: list[SeqStep], prev: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward: (g at each sequence's last row [S, H], after shared_head.norm: the next
         step's previous hidden; logits there over the draft head's columns [S, N] fp32). Mirrors
         K3ForCausalLM.mtp(0, …) but takes the head only at the last rows: step 0 may hold a whole
-        prompt, and logits for every row would cost T x V. A replayed graph when one fits."""
-        key = self.graphs.fits(steps) if self.graphs is not None else None
+        prompt, and logits for every row would cost T x V. A replayed graph when one fits (and no
+        image rows replace token embeddings: `embeds`, _image_embeds)."""
+        key = self.graphs.fits(steps) if self.graphs is not None and embeds is None else None
         if key is not None:
             return self.graphs.run(key, steps, prev)
         self.eager_steps += 1
         ids, ctx = step_context(steps, self.block_size, self.device)
-        h = self._forward(ids, prev, ctx)
+        h = self._forward(ids, prev, ctx, embeds)
         return self._finish(h[torch.tensor(ctx.cu_q[1:], device=self.device) - 1])
 
-    def _forward(self, ids: torch.Tensor, prev: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, prev: torch.Tensor, ctx: StepContext,
+                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         m = self.model
-        return m.model.layers[self.idx](m.model.embed_tokens(ids), prev.to(m.lm_head.weight.dtype), ctx, self.cache)
+        x = m.model.embed_tokens(ids)
+        if embeds is not None:             # the image rows the target read at these positions
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+        return m.model.layers[self.idx](x, prev.to(m.lm_head.weight.dtype), ctx, self.cache)
 
     def _finish(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.model.model.layers[self.idx].shared_head.norm(h)
