@@ -106,7 +106,7 @@ def test_prefill_graph_with_image_embeds(tiny_model, tmp_path):
     cfg, model = tiny_model
     specs = {s.name: s for s in graph_specs(cfg, dataclasses.replace(CAPS, encoder=(64,)), block_size=BLOCK,
                                             max_seq_len=MAX_SEQ, dtype=torch.float32, kv_dtype=torch.float32)}
-    assert [n for n, s in specs.items() if s.image_embeds] == ["prefill_t1", "prefill_t4", "prefill_t32"]
+    assert [n for n, s in specs.items() if s.image_embeds] == [n for n in specs if n.startswith("prefill_")]
     spec = specs["prefill_t4"]
     names = [t.name for t in io_specs(cfg, spec)[0]]
     assert {"image_embeds", "image_mask"} <= set(names) and "image_embeds" not in {
