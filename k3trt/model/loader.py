@@ -25,11 +25,13 @@ def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device:
     with torch.device("meta" if meta else device):
         model = K3ForCausalLM(cfg, comm)
     if meta:
-        model = model.to_empty(device=device)
+        # cast on the meta device, then allocate: the weights never exist in fp32 at full size
+        model = model.to(dtype).to_empty(device=device)
         # non-persistent buffers (rope frequencies) do not survive to_empty: rebuild them
         for mod in model.modules():
             if hasattr(mod, "inv_freq"):
-                mod.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)[0].to(device)
+                freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)[0]
+                mod.inv_freq = freq.to(device=device, dtype=dtype)
     return model.to(dtype).eval()
 
 

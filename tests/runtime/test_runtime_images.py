@@ -224,14 +224,13 @@ def test_k3trt_run_chat_with_images(engine, vision, tmp_path):
 
 @pytest.mark.gpu
 def test_image_prompts_on_the_gpu(engine, vision):
-    """On CUDA: the encoder and the embeddings' scatter run on the device; graph decode steps after
-    an image prefill give the eager session's tokens."""
+    """On CUDA: the encoder and the embeddings' scatter run on the device, deterministically (the
+    engine is fp32, which CUDA graphs do not capture; the encoder's graphs: test_encoder_graphs_gpu)."""
     prompts = [{"prompt": TEXT + " <|media_pad|>", "images": [png(1, 112, 112)]},
                {"prompt": "<|media_pad|> and <|media_pad|>", "images": [png(2), png(3, 84, 56)]}]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     eager = _llm(engine, device="cuda", cuda_graphs=False)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert want == [o.token_ids for o in eager.generate(prompts, params)]
-    graphs = _llm(engine, device="cuda", cuda_graphs=True)
-    assert [o.token_ids for o in graphs.generate(prompts, params)] == want
-    assert_no_leak(graphs)
+    assert all(len(w) == params.max_tokens for w in want)
+    assert_no_leak(eager)

@@ -269,8 +269,11 @@ def test_mtp_graph_step_equals_eager_step(tiny_ckpt, device):
             graphs, A.graphs = A.graphs, None
             g_eager, l_eager = A._step(steps, prev)
             A.graphs = graphs
-        assert_close(g_graph, g_eager, dtype=dtype, name=f"{name}: g")
-        assert_close(l_graph, l_eager, dtype=dtype, name=f"{name}: logits")
+        # a whole MTP layer in bf16 (graph and eager kernels may differ): elementwise bounds widen,
+        # the norm bound stays the dtype's
+        wide = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else {}
+        assert_close(g_graph, g_eager, dtype=dtype, name=f"{name}: g", **wide)
+        assert_close(l_graph, l_eager, dtype=dtype, name=f"{name}: logits", **wide)
     for i in range(len(hists)):
         A.release(f"r{i}")
 
@@ -287,7 +290,9 @@ def test_mtp_on_cuda_with_graphs_vocabulary_grammar_and_resume(tiny_ckpt, tmp_pa
     regex = "[a-z]{2,8}( [a-z]{2,8}){2,5}"
     params = [SamplingParams(max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=40, guided={"regex": regex}),
               SamplingParams(max_tokens=16, ignore_eos=True)]
-    plain = LLM(engine, verify_checksums=False, device="cuda").generate(ps, params)
+    base = LLM(engine, verify_checksums=False, device="cuda")
+    plain = [base.generate([p], q)[0] for p, q in zip(ps, params)]     # the same prefill shapes as below
+    base.close()
     llm = LLM(engine, verify_checksums=False, device="cuda", speculative="mtp", spec_tokens=3, draft_vocab_size=4000)
     for p, q, want in zip(ps, params, plain):
         for again in (False, True):                  # the second run resumes from the prefix cache

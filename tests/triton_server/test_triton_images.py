@@ -13,8 +13,9 @@ import types
 
 import numpy as np
 import pytest
-from runtime_utils import png
-from runtime_utils import assert_idle_and_no_leak, one_thread
+from runtime_utils import assert_idle_and_no_leak, one_thread, png
+
+pytest.importorskip("starlette")      # k3trt.serve, which the engine model runs on
 
 from k3trt.triton.engine_model import EngineModel
 from k3trt.triton.schema import INPUT_NAMES
