@@ -154,7 +154,11 @@ class RankMTPDrafter(MTPDrafter):
     """MTPDrafter whose forward runs on every rank (rank 0 decides, as MTPDrafter does)."""
 
     def __init__(self, session: "RankSession", model: torch.nn.Module, *, k: int, max_live: int,
-                 max_model_len: int, block_size: int, sample_drafts: bool = False, **_: Any):
+                 max_model_len: int, block_size: int, sample_drafts: bool = False,
+                 draft_vocab_size: int | None = None, **_: Any):
+        if draft_vocab_size is not None:     # mtp_forward's head is the full one, gathered over TP ranks
+            raise ValueError("draft_vocab_size: a multi-rank engine's MTP drafter scores the full vocabulary; "
+                             "drop --draft-vocab (draft_vocab_size), or run one rank")
         k_max = k
         self.group = session.group
         nb = max_live * -(-(max_model_len + k_max) // block_size)
@@ -167,6 +171,7 @@ class RankMTPDrafter(MTPDrafter):
 
     def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         steps = [SeqStep(list(s.tokens), s.ctx_len, list(s.blocks), s.slot) for s in steps]
+        self.eager_steps += 1
         with self.group.guard("MTP draft step"):
             self.group.send("mtp_step", (steps,), [prev])
             return self.shard.step(steps, prev)
