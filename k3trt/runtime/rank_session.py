@@ -286,11 +286,13 @@ def load_rank_model(ed: EngineDir, group: RankGroup) -> torch.nn.Module:
                       comm=comm)[1]
 
 
-def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None] | None) -> None:
+def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None] | None,
+               verify_checksums: bool = True) -> None:
     """A worker rank's life: load its shard, then run rank 0's plans until the shutdown plan.
     `rank_init(rank)` runs once the shard is loaded (logging setup, test instrumentation). In an
-    engine built split, the worker verifies its own rank dir's checksums (rank 0 verified the rest)."""
-    if ed.world_size > 1 and group.rank > 0:
+    engine built split, the worker verifies its own rank dir's checksums when `verify_checksums`
+    (EngineOptions.verify_checksums; rank 0 verified the rest)."""
+    if verify_checksums and ed.world_size > 1 and group.rank > 0:
         ed = read_engine_dir(ed.path, rank=group.rank)
     model = load_rank_model(ed, group)
     if rank_init is not None:
@@ -306,10 +308,13 @@ def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None]
 
 
 def start_ranks(ed: EngineDir, pc: ParallelConfig, device: torch.device, *, timeout_s: float,
-                rank_init: Callable[[int], None] | None) -> tuple[RankGroup, torch.nn.Module]:
+                rank_init: Callable[[int], None] | None,
+                verify_checksums: bool = True) -> tuple[RankGroup, torch.nn.Module]:
     """Rank 0's group (workers spawned here, or joined under torchrun) and its shard of the model.
     Under torchrun every rank runs the same command: on ranks > 0 this serves rank 0's plans and
-    ends the process (SystemExit 0) when rank 0 closes the engine."""
+    ends the process (SystemExit 0) when rank 0 closes the engine. `verify_checksums`: each worker
+    verifies its own rank dir (serve_rank)."""
+    args = (ed, rank_init, verify_checksums)
     if ed.backend != "torch":
         raise ValueError(f"{ed.path} is a {ed.backend} engine dir; multi-rank engines run the torch backend "
                          "(`k3trt build CHECKPOINT --backend torch --tp ...`)")
@@ -318,10 +323,10 @@ def start_ranks(ed: EngineDir, pc: ParallelConfig, device: torch.device, *, time
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         group = RankGroup.join(pc, timeout_s=timeout_s)
         if group.rank != 0:
-            run_worker(group, serve_rank, (ed, rank_init))
+            run_worker(group, serve_rank, args)
             raise SystemExit(0)
     else:
-        group = RankGroup.start(pc, serve_rank, (ed, rank_init), device=device, timeout_s=timeout_s)
+        group = RankGroup.start(pc, serve_rank, args, device=device, timeout_s=timeout_s)
     try:
         return group, load_rank_model(ed, group)
     except BaseException as e:
