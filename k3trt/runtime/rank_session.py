@@ -174,7 +174,9 @@ class RankMTPDrafter(MTPDrafter):
         self.eager_steps += 1
         with self.group.guard("MTP draft step"):
             self.group.send("mtp_step", (steps,), [prev])
-            return self.shard.step(steps, prev)
+            out = self.shard.step(steps, prev)
+            self.group.settle("MTP draft step")
+            return out
 
 
 class RankSession(EngineSession):
@@ -201,13 +203,17 @@ class RankSession(EngineSession):
         mine = local_batch(batch, self.group.pc, self.page)
         with self.group.guard("prefill step"):
             self.group.send("prefill", (batch,))
-            return self.local.prefill(mine)
+            out = self.local.prefill(mine)
+            self.group.settle("prefill step")
+            return out
 
     def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         mine = local_batch(batch, self.group.pc, self.page)
         with self.group.guard("verify step"):
             self.group.send("verify", (batch,), [] if device_ids is None else [device_ids])
-            return self.local.verify(mine, device_ids)
+            out = self.local.verify(mine, device_ids)
+            self.group.settle("verify step")     # a graph replay's collectives have no watchdog
+            return out
 
     def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -321,7 +327,7 @@ def start_ranks(ed: EngineDir, pc: ParallelConfig, device: torch.device, *, time
     pc.validate(ed.model)
     check_dcp_page(pc, ed.build.block_size)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        group = RankGroup.join(pc, timeout_s=timeout_s)
+        group = RankGroup.join(pc, device=device, timeout_s=timeout_s)
         if group.rank != 0:
             run_worker(group, serve_rank, args)
             raise SystemExit(0)

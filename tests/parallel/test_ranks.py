@@ -25,7 +25,7 @@ from k3trt.runtime.engine import Seq, TorchSession, make_batch
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.rank_session import RankMTPDrafter, local_batch, parallel_config
-from k3trt.runtime.ranks import RankFailure
+from k3trt.runtime.ranks import RankFailure, RankGroup, check_gpus
 from k3trt.runtime.request import FinishReason
 
 MAX_MODEL_LEN = 64
@@ -308,3 +308,63 @@ def test_rank_mtp_refuses_a_draft_vocabulary():
     """Its draft head is the full one, gathered over TP ranks: a reduced vocabulary is an error, not ignored."""
     with pytest.raises(ValueError, match="draft_vocab_size: a multi-rank engine"):
         RankMTPDrafter(None, None, k=2, max_live=1, max_model_len=64, block_size=16, draft_vocab_size=100)
+
+
+def test_spawned_cuda_ranks_need_a_gpu_each():
+    check_gpus(ParallelConfig(tp=2, ep=2), 2)
+    with pytest.raises(ValueError, match="runs 2 ranks, one GPU each, and this process sees 1 GPU"):
+        check_gpus(ParallelConfig(tp=2, dcp=2), 1)
+
+
+def test_torchrun_rank_on_cuda_needs_its_local_gpu(monkeypatch):
+    """A CUDA engine under torchrun takes GPU $LOCAL_RANK; one the node lacks is refused before any
+    process group starts (a CPU engine stays on gloo whatever the node has)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(ValueError, match="this node sees .* GPU"):
+        RankGroup.join(ParallelConfig(tp=2), device="cuda", timeout_s=5)
+
+
+class _Proc:
+    """A spawned worker as RankGroup sees it."""
+
+    def __init__(self, alive=True):
+        self.alive, self.exitcode = alive, None if alive else -9
+
+    def is_alive(self):
+        return self.alive
+
+    def join(self, timeout=None):
+        pass
+
+    def terminate(self):
+        self.alive, self.exitcode = False, -15
+
+    kill = terminate
+
+
+def _group(procs, timeout_s):
+    group = RankGroup.__new__(RankGroup)      # no process group: wait_for's watch alone
+    group.pc, group.store, group.device, group.timeout_s = ParallelConfig(tp=3), None, torch.device("cpu"), timeout_s
+    group.procs, group.error, group.closed = procs, None, False
+    return group
+
+
+@pytest.mark.parametrize("case", ["dead", "late"])
+def test_a_step_waiting_on_the_device_stops_on_a_dead_or_late_rank(monkeypatch, case):
+    """A CUDA step whose collectives wait for a gone peer (a graph replay has no watchdog) never
+    completes: rank 0's wait aborts the collectives and stops the engine naming the cause."""
+    aborted = []
+    monkeypatch.setattr("k3trt.runtime.ranks.abort_collectives", lambda: aborted.append(True))
+    group = _group([_Proc(), _Proc()], timeout_s=0.3)
+    group.wait_for(lambda: True, "verify step")               # done at once, every rank alive: nothing
+    assert not aborted and group.error is None
+    if case == "dead":
+        group.procs[1] = _Proc(alive=False)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 2 exited with code -9" if case == "dead" else "hung or is slower"):
+        group.wait_for(lambda: False, "verify step")
+    assert aborted and time.monotonic() - t0 < 5
+    with pytest.raises(RankFailure):
+        group.check()
