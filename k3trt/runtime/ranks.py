@@ -55,8 +55,9 @@ START_TIMEOUT = timedelta(minutes=30)     # every rank's process up (imports, CU
 ERROR_KEY = "k3trt/rank_error/{}"
 JOIN_SECONDS = 10.0                       # a worker's clean exit after shutdown, before it is terminated
 REPORT_SECONDS = 2.0                      # how long rank 0 waits for a failed worker's error report
-SETTLE_POLL_S = 1e-4                      # rank 0's poll of a CUDA step's completion
-SETTLE_WATCH_S = 0.01                     # a step still running after this: each poll looks for a dead worker
+SETTLE_POLL_S = 1e-4                      # rank 0's poll of a CUDA step's completion, for its first
+SETTLE_WATCH_S = 0.01                     # seconds; then every SETTLE_WATCH_POLL_S, each poll also
+SETTLE_WATCH_POLL_S = 1e-3                # looking for a dead worker
 
 
 class RankFailure(RuntimeError):
@@ -191,7 +192,9 @@ class RankGroup:
         while not done():
             if time.monotonic() - t0 > SETTLE_WATCH_S:
                 self._watch(what, t0)
-            time.sleep(SETTLE_POLL_S)
+                time.sleep(SETTLE_WATCH_POLL_S)
+            else:
+                time.sleep(SETTLE_POLL_S)
         self._watch(what, t0)
 
     def _watch(self, what: str, t0: float) -> None:

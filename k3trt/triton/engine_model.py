@@ -120,8 +120,7 @@ class EngineModel:
         """Refuse (UNAVAILABLE) while the engine cannot run: no request waits on a stopped engine."""
         reason = self._unavailable()
         if reason is not None:
-            raise _Refused("UNAVAILABLE", f"the engine is unavailable: {reason}; reload the model (its log "
-                                          "names the cause)")
+            raise _Refused("UNAVAILABLE", f"the engine is unavailable: {reason} (reload the model)")
 
     def _unavailable(self) -> str | None:
         """Why the engine cannot run, or None. Its health check is a multi-rank engine's look at its
@@ -199,7 +198,7 @@ class EngineModel:
             reason = self._unavailable()
             if reason is not None:      # the engine stopped under this request
                 log.error("request %s failed: the engine is unavailable: %s", rid, reason)
-                sender.error("UNAVAILABLE", f"the engine is unavailable: {reason}; reload the model")
+                sender.error("UNAVAILABLE", f"the engine is unavailable: {reason} (reload the model)")
             else:
                 log.exception("request %s failed", rid)
                 sender.error("INTERNAL", f"{type(e).__name__}: {e}")
