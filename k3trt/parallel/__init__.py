@@ -49,8 +49,9 @@ NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1):
    of [T, latent], and the logits all-gather [rows, V]. The runtime owns one shard per rank
    (k3trt/runtime/ranks.py, rank_session.py: rank 0's plans broadcast, per-rank KDA heads and DCP
    slot mapping; on CPU/gloo in tests/parallel/test_ranks.py). Not run on GPUs yet, one command
-   on nvidia-h100-x2: python -m pytest -q -m gpu tests/parallel/test_ranks_gpu.py (NCCL steps
-   against one GPU, CUDA graphs captured with the NCCL collectives inside, a killed rank).
+   on nvidia-h100-x2: python -m pytest -q -m gpu tests/parallel/test_ranks_gpu.py
+   tests/parallel/test_rank_engine.py (NCCL steps against one GPU, CUDA graphs captured with the
+   NCCL collectives inside, a killed rank and one hanging during a graph replay, `k3trt run`).
 4. Measure the cheaper DCP merge (lse all-gather + reduce-scatter of rescaled outs) against the
    all-gather + merge_attn_states used now. TensorRT engines have no collectives yet: TP engines
    would need a k3trt all-reduce plugin over NCCL (as TensorRT-LLM has); only the torch backend

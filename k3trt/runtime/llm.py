@@ -117,7 +117,8 @@ class LLM:
         device = torch.device(device)
         pc = parallel_config(ed, tp=opts.tp, dcp=opts.dcp, ep=opts.ep, dcp_interleave=opts.dcp_interleave)
         if pc is not None:      # rank 0 of a multi-rank engine (a torchrun worker rank never returns)
-            group, model = start_ranks(ed, pc, device, timeout_s=opts.rank_timeout_s, rank_init=opts.rank_init)
+            group, model = start_ranks(ed, pc, device, timeout_s=opts.rank_timeout_s, rank_init=opts.rank_init,
+                                       verify_checksums=opts.verify_checksums)
             try:
                 self._setup(ed.model, ed.build, ed.capacities, ed.tokenizer_dir, group.device, opts,
                             lambda **kw: open_rank_session(group, model, **kw), model=model, dcp=pc.dcp)

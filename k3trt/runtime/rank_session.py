@@ -154,7 +154,11 @@ class RankMTPDrafter(MTPDrafter):
     """MTPDrafter whose forward runs on every rank (rank 0 decides, as MTPDrafter does)."""
 
     def __init__(self, session: "RankSession", model: torch.nn.Module, *, k: int, max_live: int,
-                 max_model_len: int, block_size: int, sample_drafts: bool = False, **_: Any):
+                 max_model_len: int, block_size: int, sample_drafts: bool = False,
+                 draft_vocab_size: int | None = None, **_: Any):
+        if draft_vocab_size is not None:     # mtp_forward's head is the full one, gathered over TP ranks
+            raise ValueError("draft_vocab_size: a multi-rank engine's MTP drafter scores the full vocabulary; "
+                             "drop --draft-vocab (draft_vocab_size), or run one rank")
         k_max = k
         self.group = session.group
         nb = max_live * -(-(max_model_len + k_max) // block_size)
@@ -167,9 +171,12 @@ class RankMTPDrafter(MTPDrafter):
 
     def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         steps = [SeqStep(list(s.tokens), s.ctx_len, list(s.blocks), s.slot) for s in steps]
+        self.eager_steps += 1
         with self.group.guard("MTP draft step"):
             self.group.send("mtp_step", (steps,), [prev])
-            return self.shard.step(steps, prev)
+            out = self.shard.step(steps, prev)
+            self.group.settle("MTP draft step")
+            return out
 
 
 class RankSession(EngineSession):
@@ -196,13 +203,17 @@ class RankSession(EngineSession):
         mine = local_batch(batch, self.group.pc, self.page)
         with self.group.guard("prefill step"):
             self.group.send("prefill", (batch,))
-            return self.local.prefill(mine)
+            out = self.local.prefill(mine)
+            self.group.settle("prefill step")
+            return out
 
     def verify(self, batch: Batch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         mine = local_batch(batch, self.group.pc, self.page)
         with self.group.guard("verify step"):
             self.group.send("verify", (batch,), [] if device_ids is None else [device_ids])
-            return self.local.verify(mine, device_ids)
+            out = self.local.verify(mine, device_ids)
+            self.group.settle("verify step")     # a graph replay's collectives have no watchdog
+            return out
 
     def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -281,11 +292,13 @@ def load_rank_model(ed: EngineDir, group: RankGroup) -> torch.nn.Module:
                       comm=comm)[1]
 
 
-def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None] | None) -> None:
+def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None] | None,
+               verify_checksums: bool = True) -> None:
     """A worker rank's life: load its shard, then run rank 0's plans until the shutdown plan.
     `rank_init(rank)` runs once the shard is loaded (logging setup, test instrumentation). In an
-    engine built split, the worker verifies its own rank dir's checksums (rank 0 verified the rest)."""
-    if ed.world_size > 1 and group.rank > 0:
+    engine built split, the worker verifies its own rank dir's checksums when `verify_checksums`
+    (EngineOptions.verify_checksums; rank 0 verified the rest)."""
+    if verify_checksums and ed.world_size > 1 and group.rank > 0:
         ed = read_engine_dir(ed.path, rank=group.rank)
     model = load_rank_model(ed, group)
     if rank_init is not None:
@@ -301,22 +314,25 @@ def serve_rank(group: RankGroup, ed: EngineDir, rank_init: Callable[[int], None]
 
 
 def start_ranks(ed: EngineDir, pc: ParallelConfig, device: torch.device, *, timeout_s: float,
-                rank_init: Callable[[int], None] | None) -> tuple[RankGroup, torch.nn.Module]:
+                rank_init: Callable[[int], None] | None,
+                verify_checksums: bool = True) -> tuple[RankGroup, torch.nn.Module]:
     """Rank 0's group (workers spawned here, or joined under torchrun) and its shard of the model.
     Under torchrun every rank runs the same command: on ranks > 0 this serves rank 0's plans and
-    ends the process (SystemExit 0) when rank 0 closes the engine."""
+    ends the process (SystemExit 0) when rank 0 closes the engine. `verify_checksums`: each worker
+    verifies its own rank dir (serve_rank)."""
+    args = (ed, rank_init, verify_checksums)
     if ed.backend != "torch":
         raise ValueError(f"{ed.path} is a {ed.backend} engine dir; multi-rank engines run the torch backend "
                          "(`k3trt build CHECKPOINT --backend torch --tp ...`)")
     pc.validate(ed.model)
     check_dcp_page(pc, ed.build.block_size)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        group = RankGroup.join(pc, timeout_s=timeout_s)
+        group = RankGroup.join(pc, device=device, timeout_s=timeout_s)
         if group.rank != 0:
-            run_worker(group, serve_rank, (ed, rank_init))
+            run_worker(group, serve_rank, args)
             raise SystemExit(0)
     else:
-        group = RankGroup.start(pc, serve_rank, (ed, rank_init), device=device, timeout_s=timeout_s)
+        group = RankGroup.start(pc, serve_rank, args, device=device, timeout_s=timeout_s)
     try:
         return group, load_rank_model(ed, group)
     except BaseException as e:

@@ -3,7 +3,7 @@ grammars, drafter decisions, sampling); ranks 1.. are workers that run every ses
 shard of the model (rank_session.py says which calls).
 
     group = RankGroup.start(pc, target, args, device="cuda", timeout_s=300)  # spawns world-1 workers
-    group = RankGroup.join(pc, timeout_s=300)      # torchrun: this process is rank $RANK of $WORLD_SIZE
+    group = RankGroup.join(pc, device="cuda", timeout_s=300)  # torchrun: rank $RANK of $WORLD_SIZE
     group.send(method, args, tensors)              # rank 0: one plan to every worker
     method, args, tensors = group.receive()        # a worker: the next plan
     with group.guard("verify"): ...                # rank 0: any fault in here is a RankFailure
@@ -22,6 +22,12 @@ A fault (a worker that exits or raises, a collective past its timeout, an error 
 plan went out) leaves the ranks out of step, so the engine stops: rank 0 raises RankFailure for
 the call and for every call after it, ends the workers (spawned ones are terminated, then killed),
 and ``health()`` reports it. Spawned workers also exit when their parent process is gone.
+
+On CUDA, rank 0 waits for each step on the host inside its guard (``settle``): collectives
+replayed from a CUDA graph are outside NCCL's watchdog, so a peer that died mid-step would leave
+rank 0's kernels waiting forever. A worker found dead, or a step past ``timeout_s``, aborts the
+communicators (the waiting kernels return) and stops the engine before any of the step's outputs
+are used.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ START_TIMEOUT = timedelta(minutes=30)     # every rank's process up (imports, CU
 ERROR_KEY = "k3trt/rank_error/{}"
 JOIN_SECONDS = 10.0                       # a worker's clean exit after shutdown, before it is terminated
 REPORT_SECONDS = 2.0                      # how long rank 0 waits for a failed worker's error report
+SETTLE_POLL_S = 1e-4                      # rank 0's poll of a CUDA step's completion, for its first
+SETTLE_WATCH_S = 0.01                     # seconds; then every SETTLE_WATCH_POLL_S, each poll also
+SETTLE_WATCH_POLL_S = 1e-3                # looking for a dead worker
 
 
 class RankFailure(RuntimeError):
@@ -84,8 +93,10 @@ class RankGroup:
         """Rank 0 in this process; ranks 1..world-1 spawned, each running ``target(group, *args)``
         (importable) once its process group is up. Returns rank 0's group."""
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            check_gpus(pc, torch.cuda.device_count())
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process: start a multi-rank "
                                "engine in a fresh process, or under torchrun (every rank runs the same command)")
@@ -106,20 +117,27 @@ class RankGroup:
             raise
 
     @classmethod
-    def join(cls, pc: ParallelConfig, *, timeout_s: float) -> "RankGroup":
-        """This process as rank $RANK of a torchrun world ($WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT)."""
+    def join(cls, pc: ParallelConfig, *, device: torch.device | str, timeout_s: float) -> "RankGroup":
+        """This process as rank $RANK of a torchrun world ($WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT),
+        on GPU $LOCAL_RANK of its node when `device` is a CUDA device, else on the CPU (gloo)."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != pc.world_size:
             raise ValueError(f"torchrun started {world} ranks; tp={pc.tp} dcp={pc.dcp} ep={pc.ep} needs "
                              f"{pc.world_size} (--nproc-per-node × --nnodes must equal it)")
+        if torch.device(device).type == "cuda":
+            local, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+            if local >= count:
+                raise ValueError(f"torchrun LOCAL_RANK {local}: this node sees {count} GPU(s) (CUDA_VISIBLE_DEVICES); "
+                                 f"start at most {count} processes per node (--nproc-per-node), one per GPU")
+            device = torch.device("cuda", local)
+        else:
+            device = torch.device("cpu")
         pc = pc.with_rank(rank)
         timeout = timedelta(seconds=timeout_s)
         # the agent's store when torchrun hosts one (its default), else rank 0 hosts it (as env:// does)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               rank == 0 and not agent, timeout=START_TIMEOUT)
-        cuda = torch.cuda.is_available()
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
         _init(pc, store, device, timeout)
         return cls(pc, store, device, timeout_s)
 
@@ -156,6 +174,35 @@ class RankGroup:
             raise
         except Exception as e:
             raise self.fail(f"{what}: {type(e).__name__}: {e}") from e
+
+    def settle(self, what: str) -> None:
+        """Rank 0 inside a guard, after launching a step on CUDA: wait for it, watching the workers
+        (module doc). gloo's collectives need none: they raise when a peer is gone or at their timeout."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.wait_for(done.query, what)
+
+    def wait_for(self, done: Callable[[], bool], what: str) -> None:
+        """Poll `done` until true; a dead worker or `timeout_s` passed aborts the collectives and
+        stops the engine (RankFailure). Checked once more after `done`: a step that a watchdog
+        abort ended has no valid outputs."""
+        t0 = time.monotonic()
+        while not done():
+            if time.monotonic() - t0 > SETTLE_WATCH_S:
+                self._watch(what, t0)
+                time.sleep(SETTLE_WATCH_POLL_S)
+            else:
+                time.sleep(SETTLE_POLL_S)
+        self._watch(what, t0)
+
+    def _watch(self, what: str, t0: float) -> None:
+        waited = time.monotonic() - t0
+        dead = any(not p.is_alive() for p in self.procs)
+        if dead or waited > self.timeout_s:
+            abort_collectives()
+            raise self.fail(f"{what}: waited {waited:.1f}s for the step on the device")
 
     def check(self) -> None:
         """Raise RankFailure if the engine stopped or a spawned worker has exited."""
@@ -245,6 +292,14 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+def check_gpus(pc: ParallelConfig, count: int) -> None:
+    """Spawned CUDA ranks take one GPU each (NCCL refuses two ranks of a communicator on one GPU)."""
+    if pc.world_size > count:
+        raise ValueError(f"tp={pc.tp} dcp={pc.dcp} ep={pc.ep} runs {pc.world_size} ranks, one GPU each, and this "
+                         f"process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES): use a layout of at most {count} "
+                         "ranks, or run the ranks across nodes with torchrun")
+
+
 def _init(pc: ParallelConfig, store: dist.Store, device: torch.device, timeout: timedelta) -> None:
     """The process group, once every rank is in the store: its connections are made within
     `timeout`, which rank_timeout_s may make shorter than a worker's start."""
@@ -261,6 +316,15 @@ def _init(pc: ParallelConfig, store: dist.Store, device: torch.device, timeout: 
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("k3trt/pg", store),
                             rank=pc.rank, world_size=pc.world_size, timeout=timeout,
                             **({"device_id": device} if cuda else {}))
+
+
+def abort_collectives() -> None:
+    """Abort every communicator of this process (NCCL: ncclCommAbort, so that kernels waiting for a
+    gone peer return); the process group is gone afterwards."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as e:          # already aborted by the watchdog, or destroyed
+        log.warning("aborting the collectives: %s: %s", type(e).__name__, e)
 
 
 def _end_processes(procs: Sequence[Any], grace: float = JOIN_SECONDS) -> None:

@@ -11,6 +11,11 @@ tokenizing in a prompt worker process as the OpenAI server does, so one huge pro
 up the intake of others) → admit → stream responses → the final one flagged COMPLETE_FINAL. A
 client that cancels is noticed by polling the response sender; the request is aborted at once,
 which frees its cache blocks.
+
+A stopped engine (a multi-rank engine whose rank died, hung or failed: ``llm.health()`` not ok,
+or the engine thread gone) is answered, in `execute` and for the requests it ends in flight, with
+an UNAVAILABLE error naming the cause; Triton's readiness cannot be withdrawn from inside a Python
+model, so every request says it until the model is reloaded.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Iterator
 from k3trt.runtime.xtml import DeltaKind
 from k3trt.serve import metrics
 from k3trt.serve.app import Run
-from k3trt.serve.engine_loop import EngineLoop, Overloaded, finish_unless
+from k3trt.serve.engine_loop import EngineLoop, Overloaded, engine_health, finish_unless
 from k3trt.runtime.params import RequestError
 from k3trt.runtime.media import UNTRUSTED
 from k3trt.serve.adapt import with_images
@@ -96,6 +101,7 @@ class EngineModel:
             sender = _Sender(request.get_response_sender(), self.pb)
             rid = f"{self.name}-{request.request_id() or uuid.uuid4().hex[:12]}-{uuid.uuid4().hex[:8]}"
             try:
+                self._check_engine()
                 raw = self._inputs(request)
                 checked = self._check(raw)
                 size = prompt_bytes(raw)
@@ -109,6 +115,22 @@ class EngineModel:
                 sender.ack()
             asyncio.run_coroutine_threadsafe(self._serve(rid, sender, checked, size, job, params), self.loop)
         return None
+
+    def _check_engine(self) -> None:
+        """Refuse (UNAVAILABLE) while the engine cannot run: no request waits on a stopped engine."""
+        reason = self._unavailable()
+        if reason is not None:
+            raise _Refused("UNAVAILABLE", f"the engine is unavailable: {reason} (reload the model)")
+
+    def _unavailable(self) -> str | None:
+        """Why the engine cannot run, or None. Its health check is a multi-rank engine's look at its
+        ranks (the HTTP server's /health makes the same call off the engine thread)."""
+        if not self.engine.alive:
+            return "its engine thread has stopped"
+        if self.engine.unavailable:
+            return self.engine.unavailable
+        h = engine_health(self.llm)
+        return None if h["ok"] else h.get("error") or "the engine reports it is not healthy"
 
     def _inputs(self, request: Any) -> dict:
         try:
@@ -171,10 +193,15 @@ class EngineModel:
             log.info("request %s refused: %s", rid, e.message)
             sender.error(e.kind, e.message)
         except Overloaded as e:
-            sender.error("UNAVAILABLE", f"{e}; retry later")
+            sender.error("UNAVAILABLE", f"the server is busy ({e}); retry later")
         except Exception as e:
-            log.exception("request %s failed", rid)
-            sender.error("INTERNAL", f"{type(e).__name__}: {e}")
+            reason = self._unavailable()
+            if reason is not None:      # the engine stopped under this request
+                log.error("request %s failed: the engine is unavailable: %s", rid, reason)
+                sender.error("UNAVAILABLE", f"the engine is unavailable: {reason} (reload the model)")
+            else:
+                log.exception("request %s failed", rid)
+                sender.error("INTERNAL", f"{type(e).__name__}: {e}")
         finally:
             if run is not None:
                 run.close()                   # aborts the engine request if still live, frees its blocks

@@ -65,7 +65,7 @@ INPUT_NAMES = frozenset(t.name for t in INPUTS)
 # unary front receives every error as INTERNAL), so the front reads the kind back from this prefix.
 # a request parameter: the engine model answers an empty non-final response once it has taken the request
 ACK_PARAMETER = "k3trt_ack"
-ERROR_PREFIX = {"INVALID_ARG": "invalid request: ", "UNAVAILABLE": "busy: ", "CANCELLED": "cancelled: ",
+ERROR_PREFIX = {"INVALID_ARG": "invalid request: ", "UNAVAILABLE": "unavailable: ", "CANCELLED": "cancelled: ",
                 "INTERNAL": "internal error: "}
 
 

@@ -1,12 +1,13 @@
 """A multi-rank engine dir end to end through the command line: `k3trt run` on a TP2 x EP2 build
 (pre-sliced rank dirs, a worker process per rank: gloo on the CPU, NCCL on two GPUs) prints the
-same greedy tokens as the one-rank build of the same checkpoint, spawned and under torchrun.
-Skipped where the multi-rank runtime (k3trt.runtime.rank_session) is not installed."""
+same greedy tokens as the one-rank build of the same checkpoint, spawned and under torchrun; each
+worker verifies its own rank dir's checksums unless told not to. Skipped where the multi-rank runtime (k3trt.runtime.rank_session) is not installed."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +18,8 @@ from click.testing import CliRunner
 from k3trt.builder.build import build_engine
 from k3trt.cli import main
 from k3trt.parallel import ParallelConfig
+from k3trt.runtime.llm import LLM
+from k3trt.runtime.ranks import RankFailure
 
 pytest.importorskip("k3trt.runtime.rank_session", reason="needs the multi-rank runtime")
 
@@ -36,10 +39,11 @@ def _tokens(output: str) -> list[int]:
     return json.loads(output.strip().splitlines()[-1])["token_ids"]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h100-x2)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
 def test_run_on_two_ranks_equals_one_rank(engines, device):
-    if device == "cuda" and torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
     one, two = engines
     runner = CliRunner()
     ref = runner.invoke(main, ["run", str(one), *PROMPT, "--device", device])
@@ -62,3 +66,21 @@ def test_run_under_torchrun_equals_one_rank(engines, tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1 and _tokens(lines[0]) == _tokens(ref.output)
+
+
+def test_workers_verify_their_own_rank_dir(engines, tmp_path):
+    """Rank 0 checks only the shared files and rank0/: a rank1/ weight that no longer matches its
+    checksum (but still loads) is rank 1's to refuse, and verify_checksums=False skips it there too."""
+    damaged = shutil.copytree(engines[1], tmp_path / "damaged")
+    shard = sorted((damaged / "rank1").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01                    # the last tensor's last byte: the file still loads
+    shard.write_bytes(data)
+    with pytest.raises(RankFailure, match=r"rank 1 failed: EngineDirError: .*checksum of rank1/"):
+        LLM(damaged, max_model_len=64, rank_timeout_s=60)
+    llm = LLM(damaged, verify_checksums=False, max_model_len=64, rank_timeout_s=60)
+    try:
+        assert llm.health()["ok"]
+    finally:
+        llm.close()
+    assert [r["exitcode"] for r in llm.health()["ranks"][1:]] == [0]

@@ -24,29 +24,33 @@ from k3trt.parallel import ParallelConfig
 from k3trt.runtime.engine import Seq, TorchSession, make_batch
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
-from k3trt.runtime.rank_session import local_batch, parallel_config
-from k3trt.runtime.ranks import RankFailure
+from k3trt.runtime.rank_session import RankMTPDrafter, local_batch, parallel_config
+from k3trt.runtime.ranks import RankFailure, RankGroup, check_gpus
 from k3trt.runtime.request import FinishReason
 
 MAX_MODEL_LEN = 64
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 # (prompt length, max_tokens, guided). The cache holds one max_model_len request (4 blocks of 16
-# tokens, or 64 / (16·dcp) blocks of 16·dcp): the first request grows past a block boundary while
-# others hold the rest, which forces a preemption on every layout
-REQUESTS = [(20, 16, False), (7, 12, False), (11, 12, True), (19, 6, False)]
+# tokens, or 64 / (16·dcp) blocks of 16·dcp). The first request needs a block past position 32
+# by step 7 (one token a step at least). Under DCP (two blocks) the guided request takes the other
+# block at step 3, when the cancelled one leaves, and needs 4 steps more (3 tokens a step at most),
+# so it is preempted whatever the drafts; blocks of 16 have more requests holding them. drive()
+# compiles the schema first, so that admission does not depend on the compile thread's timing
+REQUESTS = [(26, 10, False), (7, 12, False), (11, 12, True), (19, 6, False)]
 LATE = (17, 6)               # arrives after the first steps
 CANCEL_AT = 3                # the cancelled request (the second) ends after this many steps
 
 LAYOUTS = {       # name -> (layout, engine options)
     "tp2": (dict(tp=2), {}),
     "dcp2-ngram": (dict(dcp=2), dict(speculative="ngram")),
+    "tp2dcp2ep2-mtp": (dict(tp=2, dcp=2, ep=2, dcp_interleave=2), dict(speculative="mtp")),
     "tp2ep2-mtp": (dict(tp=2, ep=2), dict(speculative="mtp")),
     # GraphSession's padded static steps (uncaptured on CPU), with every rank's collectives inside
     "tp2dcp2ep2-static": (dict(tp=2, dcp=2, ep=2), dict(cuda_graphs=True)),
     "ep2-mtp": (dict(ep=2), dict(speculative="mtp")),
     "tp2dcp2ep4-ngram": (dict(tp=2, dcp=2, ep=4), dict(speculative="ngram")),     # 4 ranks
 }
-SLOW = {"ep2-mtp", "tp2dcp2ep4-ngram"}     # CI time: EP runs inside the combined layouts
+SLOW = {"tp2ep2-mtp", "ep2-mtp", "tp2dcp2ep4-ngram"}     # CI time: MTP and EP run inside the combined layouts
 
 
 def params(max_tokens, guided):
@@ -72,6 +76,7 @@ def reference(engine):
 def drive(llm):
     """The scenario through add_request / step: every request, one late, one cancelled."""
     ids, late = workload()
+    llm.compile_guided(params(1, True).guided).result()
     rids = [llm.add_request(p, params(m, g)) for p, (_, m, g) in zip(ids, REQUESTS)]
     final, steps = {}, 0
     while llm.has_unfinished() or steps == 0:
@@ -297,3 +302,69 @@ def test_parallel_config_of_an_engine_dir_wins(engine):
     assert parallel_config(Built, tp=2, dcp=None, ep=None, dcp_interleave=None) == ParallelConfig(tp=2, ep=2)
     with pytest.raises(ValueError, match="was built for"):
         parallel_config(Built, tp=1, dcp=None, ep=None, dcp_interleave=None)
+
+
+def test_rank_mtp_refuses_a_draft_vocabulary():
+    """Its draft head is the full one, gathered over TP ranks: a reduced vocabulary is an error, not ignored."""
+    with pytest.raises(ValueError, match="draft_vocab_size: a multi-rank engine"):
+        RankMTPDrafter(None, None, k=2, max_live=1, max_model_len=64, block_size=16, draft_vocab_size=100)
+
+
+def test_spawned_cuda_ranks_need_a_gpu_each():
+    check_gpus(ParallelConfig(tp=2, ep=2), 2)
+    with pytest.raises(ValueError, match="runs 2 ranks, one GPU each, and this process sees 1 GPU"):
+        check_gpus(ParallelConfig(tp=2, dcp=2), 1)
+
+
+def test_torchrun_rank_on_cuda_needs_its_local_gpu(monkeypatch):
+    """A CUDA engine under torchrun takes GPU $LOCAL_RANK; one the node lacks is refused before any
+    process group starts (a CPU engine stays on gloo whatever the node has)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(ValueError, match="this node sees .* GPU"):
+        RankGroup.join(ParallelConfig(tp=2), device="cuda", timeout_s=5)
+
+
+class _Proc:
+    """A spawned worker as RankGroup sees it."""
+
+    def __init__(self, alive=True):
+        self.alive, self.exitcode = alive, None if alive else -9
+
+    def is_alive(self):
+        return self.alive
+
+    def join(self, timeout=None):
+        pass
+
+    def terminate(self):
+        self.alive, self.exitcode = False, -15
+
+    kill = terminate
+
+
+def _group(procs, timeout_s):
+    group = RankGroup.__new__(RankGroup)      # no process group: wait_for's watch alone
+    group.pc, group.store, group.device, group.timeout_s = ParallelConfig(tp=3), None, torch.device("cpu"), timeout_s
+    group.procs, group.error, group.closed = procs, None, False
+    return group
+
+
+@pytest.mark.parametrize("case", ["dead", "late"])
+def test_a_step_waiting_on_the_device_stops_on_a_dead_or_late_rank(monkeypatch, case):
+    """A CUDA step whose collectives wait for a gone peer (a graph replay has no watchdog) never
+    completes: rank 0's wait aborts the collectives and stops the engine naming the cause."""
+    aborted = []
+    monkeypatch.setattr("k3trt.runtime.ranks.abort_collectives", lambda: aborted.append(True))
+    group = _group([_Proc(), _Proc()], timeout_s=0.3)
+    group.wait_for(lambda: True, "verify step")               # done at once, every rank alive: nothing
+    assert not aborted and group.error is None
+    if case == "dead":
+        group.procs[1] = _Proc(alive=False)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 2 exited with code -9" if case == "dead" else "hung or is slower"):
+        group.wait_for(lambda: False, "verify step")
+    assert aborted and time.monotonic() - t0 < 5
+    with pytest.raises(RankFailure):
+        group.check()

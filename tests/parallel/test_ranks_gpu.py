@@ -1,7 +1,8 @@
 """The multi-rank runtime on 2 GPUs (NCCL): the eager steps equal one GPU's greedy tokens in fp32,
 decode / verify steps captured as CUDA graphs with the NCCL collectives inside equal the eager
-steps in bf16, and a killed rank stops the engine within its timeout. Needs 2 GPUs
-(nvidia-h100-x2 / nvidia-h200-x2): ``python -m pytest -q -m gpu tests/parallel/test_ranks_gpu.py``.
+steps in bf16, and a killed rank, or one that hangs while the others replay a graph, stops the
+engine within its timeout. Needs 2 GPUs (nvidia-h100-x2 / nvidia-h200-x2); skipped on one:
+``python -m pytest -q -m gpu tests/parallel/test_ranks_gpu.py``.
 """
 
 import os
@@ -12,6 +13,7 @@ import pytest
 import torch
 from runtime_utils import assert_released, build_tiny_engine, prompts
 
+from k3trt.runtime.graphs import GraphSession
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
 from k3trt.runtime.ranks import RankFailure
@@ -74,5 +76,36 @@ def test_killed_rank_on_nccl_stops_the_engine(engines):
             llm.step()
     assert time.monotonic() - t0 < 60
     assert not llm.health()["ok"]
+    llm.close()
+    assert not any(r["alive"] for r in llm.health()["ranks"][1:])
+
+
+def hang_in_third_graph_verify(rank):
+    """rank_init: rank 1's third verify step (a graph replay) never starts."""
+    if rank != 1:
+        return
+    calls, verify = [0], GraphSession.verify
+
+    def patched(self, batch, device_ids=None, shift=None):
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(3600)
+        return verify(self, batch, device_ids, shift)
+    GraphSession.verify = patched
+
+
+def test_rank_hanging_in_a_graph_step_stops_the_engine(engines):
+    """A replayed graph's NCCL kernels are outside the watchdog: rank 0's wait for the step
+    (ranks.py settle) aborts the communicators at rank_timeout_s and stops the engine."""
+    llm = LLM(engines["bf16"], device="cuda:0", verify_checksums=False, tp=2, rank_timeout_s=10,
+              rank_init=hang_in_third_graph_verify)
+    for p in PROMPTS:
+        llm.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True))
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="hung or is slower than rank_timeout_s=10"):
+        for _ in range(400):
+            llm.step()
+    assert time.monotonic() - t0 < 60
+    assert llm.stats()["graphs"].get("graph", 0) > 0
     llm.close()
     assert not any(r["alive"] for r in llm.health()["ranks"][1:])
