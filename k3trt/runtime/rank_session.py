@@ -169,7 +169,9 @@ class RankMTPDrafter(MTPDrafter):
                          block_size=block_size, num_blocks=nb, sample_drafts=sample_drafts, cache=self.shard.cache,
                          graphs=False)   # its steps go to every rank (_step), never through one rank's graphs
 
-    def _step(self, steps: list[SeqStep], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, steps: list[SeqStep], prev: torch.Tensor, embeds=None) -> tuple[torch.Tensor, torch.Tensor]:
+        # `embeds` (image rows of a prompt) are not sent to the ranks: the MTP layer reads the token
+        # embedding there, which only lowers acceptance on image prompts; verification decides
         steps = [SeqStep(list(s.tokens), s.ctx_len, list(s.blocks), s.slot) for s in steps]
         self.eager_steps += 1
         with self.group.guard("MTP draft step"):
