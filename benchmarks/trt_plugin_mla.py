@@ -3,7 +3,7 @@ buffers, no TensorRT) against the torch op's own launch (torch.ops.k3trt.mla_ver
 CUDA kernel), at K3's MLA shapes: 576 / 512, page 64, K+1 = 4 rows per request.
 
     PYTHONPATH=. python benchmarks/trt_plugin_mla.py [--heads 12,96] [--batch 1,8,32,128]
-        [--ctx 1024,8192] [--kv bf16,fp8] [--json benchmarks/results/trt_plugin_mla_h200.json]
+        [--ctx 1024,8192] [--kv bf16,fp8] [--json benchmarks/results/trt_plugin_mla_h100.json]
 
 Per cell (local heads H, batch B, context L, KV dtype): µs per call of each path from CUDA-graph
 replays of 10 calls, replayed round-robin (plugin, op, op again) so that clock drift moves all
@@ -35,7 +35,7 @@ from k3trt.trt_plugin.harness import PluginHarness
 
 D_QK, D_V, PAGE, Q_ROWS = 576, 512, 64, 4
 FP8 = torch.float8_e4m3fn
-RESULTS = Path(__file__).resolve().parent / "results" / "trt_plugin_mla_h200.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "trt_plugin_mla.json"
 
 
 def make_inputs(heads: int, batch: int, ctx: int, kv: str, gen: torch.Generator):
