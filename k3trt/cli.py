@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -42,22 +43,19 @@ def make_checkpoint_cmd(preset: str, output: str, seed: int, quant: str, device:
     click.echo(str(path))
 
 
-def _capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        return parse_capacity_list(value, "verify")
-    except CapacityError as e:
-        raise click.BadParameter(str(e)) from None
+def _capacities_of(kind: str) -> Callable:
+    """A click callback parsing a comma-separated list of `kind` capacities."""
+    def parse(ctx, param, value: str | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        try:
+            return parse_capacity_list(value, kind)
+        except CapacityError as e:
+            raise click.BadParameter(str(e)) from None
+    return parse
 
 
-def _encoder_capacity_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        return parse_capacity_list(value, "encoder")
-    except CapacityError as e:
-        raise click.BadParameter(str(e)) from None
+_capacity_list, _encoder_capacity_list = _capacities_of("verify"), _capacities_of("encoder")
 
 
 @main.command("build")

@@ -85,6 +85,21 @@ class BlockList:
         blocks.clear()
 
 
+def draft_live(drafter, live: list, out) -> None:
+    """A model drafter's propose after its bookkeeping: `drafter._draft` over the `live` rows under
+    their grammar masks (the masks' matchers rolled back however it ends), then each row's q."""
+    qs: dict[int, list] = {i: [] for i, *_ in live}
+    masks = drafter.draw.masks([inp for _, inp, _, _ in live])
+    try:
+        with torch.inference_mode():
+            drafter._draft(live, out, qs, masks)
+    finally:
+        if masks is not None:
+            masks.close()
+    for i in qs:
+        out.probs[i] = stack_q(qs[i])
+
+
 def stack_q(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if not rows or any(r is None for r in rows) else torch.stack(rows)
 
@@ -150,16 +165,7 @@ class DraftModelDrafter(Drafter):
             live.append((i, inp, st, want))
         if not live:
             return out
-        qs: dict[int, list] = {i: [] for i, *_ in live}
-        masks = self.draw.masks([inp for _, inp, _, _ in live])
-        try:
-            with torch.inference_mode():
-                self._draft(live, out, qs, masks)
-        finally:
-            if masks is not None:
-                masks.close()
-        for i in qs:
-            out.probs[i] = stack_q(qs[i])
+        draft_live(self, live, out)
         return out
 
     def _draft(self, live: list, out: Proposal, qs: dict[int, list], masks: DraftMasks | None) -> None:

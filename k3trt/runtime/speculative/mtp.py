@@ -58,7 +58,7 @@ from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache, StepContext
 from k3trt.runtime import sampling
 from k3trt.runtime.graphs import graphs_by_default
-from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, drawer, stack_q, step_context
+from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, draft_live, drawer, step_context
 from k3trt.runtime.speculative.drafter import DraftInput, Drafter, Proposal
 from k3trt.runtime.speculative.draw import DraftMasks
 from k3trt.runtime.speculative.mtp_graphs import MTPGraphs
@@ -164,16 +164,7 @@ class MTPDrafter(Drafter):
             live.append((i, inp, st, want))
         if not live:
             return out
-        qs: dict[int, list] = {i: [] for i, *_ in live}
-        masks = self.draw.masks([inp for _, inp, _, _ in live])
-        try:
-            with torch.inference_mode():
-                self._draft(live, out, qs, masks)
-        finally:
-            if masks is not None:
-                masks.close()
-        for i in qs:
-            out.probs[i] = stack_q(qs[i])
+        draft_live(self, live, out)
         return out
 
     def release(self, request_id: str) -> None:
