@@ -3,8 +3,8 @@
 # machine with a CUDA GPU; on the lent device machine, as one `run` command).
 #
 #   bash benchmarks/gpu.sh [STAGE...]     stages: tests e2e moe_gemm kda_chunk structured profile_step
-#                                         (default: these, in that order); by name only:
-#                                         ahead spec_speedup spec_breakdown train_draft (~3, 7, 2, 5 min)
+#                                         ahead (default: these, in that order); by name only:
+#                                         spec_speedup spec_breakdown train_draft (~7, 2, 5 min)
 #
 # Each stage's JSON and log go to $OUT (default /tmp/k3trt-out) under the stage's name; a failing
 # stage does not stop the ones after it; each has a time limit (seconds) from <STAGE>_S. The MLA
@@ -54,7 +54,7 @@ for s in "${stages[@]}"; do
                           --json "$OUT/profile_step.json" ;;
         spec_speedup) stage spec_speedup 480 python benchmarks/spec_speedup.py --json "$OUT/spec_speedup.json" ;;
         spec_breakdown) stage spec_breakdown 240 python benchmarks/spec_speedup.py --breakdown \
-                            --json "$OUT/spec_breakdown.json" ;;
+                            --preset medium --json "$OUT/spec_breakdown.json" ;;
         train_draft) stage train_draft 420 python benchmarks/train_draft.py --json "$OUT/spec_trained.json" ;;
         ahead) stage ahead 240 python benchmarks/ahead.py --json "$OUT/ahead.json" ;;
         *) echo "unknown stage $s (stages: tests e2e moe_gemm kda_chunk structured profile_step ahead spec_speedup" \

@@ -41,7 +41,7 @@ NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1):
      k3trt serve ENG --device cuda        k3trt triton-serve ENG --device cuda
      torchrun --nnodes 2 --nproc-per-node 8 ... -m k3trt serve ENG16 --device cuda  (two nodes,
          ENG16 built with --tp 16 --dcp 16 --ep 16)
-3. benchmarks/e2e.py (not in the repository yet) at TP8 + DCP8 (+ EP8) on the medium preset with
+3. an end-to-end benchmark (benchmarks/e2e.py over a multi-rank engine) at TP8 + DCP8 (+ EP8) on the medium preset with
    more layers, the per-step roofline counting collective bytes: per MLA layer q all-gather
    (D-1)·T·H_l·576·b and partial
    (out, lse) all-gather (D-1)·T·H_g·(512·b+4) (attention.py), per layer one TP all-reduce of

@@ -11,7 +11,7 @@ Every op has the same parts in the same places:
                     (``dispatch.call``: kernel, or reference with one logged warning per reason),
                     and the export description (``ONNX``: node, types, standard-ONNX lowering).
     <op>_triton.py  the GPU kernel and its launcher (``*_fwd``); imports the ref module only.
-    <op>_trt.py     the TensorRT plugin of an ONNX node (builder/tensorrt.py imports it by name).
+    The TensorRT plugin of each ONNX node is C++, in k3trt/trt_plugin/src/ (docs/trt_plugins.md).
 
     family       ops (torch.ops.k3trt.*)                ref              kernel                 export
     attn_res     attn_res                               attn_res_ref     attn_res_triton        -
