@@ -43,7 +43,7 @@ def mtp_ratio(doc: dict) -> str:
 
 def at_alpha(c: dict) -> bool:
     """A spec row whose run kept every request on its reference: its figures are at its α."""
-    return c.get("held", True)
+    return c.get("held", not c.get("diverged"))
 
 
 def mark(c: dict) -> dict:
