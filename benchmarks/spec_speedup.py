@@ -42,7 +42,7 @@ verify ms scaled by 93 / layers, draft and host ms as measured; the preset's one
 logits are within bf16 rounding; the request then leaves its reference and the oracle stops
 drafting for it, so such a run is not at α. Before a batch's cases its references are brought to
 the speculating engine (runs at α 1, free drafts, each taking the last run's outputs as the
-references of the requests that left theirs, up to --reruns + 1 runs), so no case pays for that;
+references of the requests that left theirs, up to --converge-runs runs), so no case pays for that;
 a case then runs again the same way while requests leave their reference. Each row's figures come
 from its last run (``run``, 1-based; the runs before it only set references) and ``held`` says
 whether every request kept its reference there (``diverged``: those that did not); a row not held
@@ -256,9 +256,9 @@ def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batc
             host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
             base[b]["host_sync_ms"] = host_sync[b]
             base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
-        off = converge(llm, oracle, ps[b], a.max_tokens, a.reruns, a.seed)
+        off = converge(llm, oracle, ps[b], a.max_tokens, a.converge_runs, a.seed)
         if off:
-            run.doc["notes"].append(f"K{k} b{b}: {off} requests still off their reference after {a.reruns + 1} "
+            run.doc["notes"].append(f"K{k} b{b}: {off} requests still off their reference after {a.converge_runs} "
                                     "runs at α 1 (the cases rerun them too)")
         rows = []
         for cost in a.costs:
@@ -296,11 +296,12 @@ def run_until_held(llm: LLM, oracle: OracleDrafter, ps: list, max_tokens: int, r
     return r, rerun
 
 
-def converge(llm: LLM, oracle: OracleDrafter, ps: list, max_tokens: int, reruns: int, seed: int) -> int:
+def converge(llm: LLM, oracle: OracleDrafter, ps: list, max_tokens: int, runs: int, seed: int) -> int:
     """The references brought to this engine's verify numerics before a batch's cases (at α 1, free
     drafts), so no case (the first, say) pays for it. Requests still off their reference after it."""
     oracle.configure(alpha=1.0, seed=seed, cost=None)
-    run_until_held(llm, oracle, ps, max_tokens, reruns)
+    if runs > 0:
+        run_until_held(llm, oracle, ps, max_tokens, runs - 1)
     off = len(oracle.diverged)
     oracle.configure(alpha=1.0, seed=seed, cost=None)
     return off
@@ -372,6 +373,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--budget-s", type=int, default=None,
                     help="skip cases that would start after this (default 330, --quick 90: whole runs < 7 / 2.5 min)")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
+    ap.add_argument("--converge-runs", type=int, default=6,
+                    help="runs at α 1 before a batch's cases that bring its references to the speculating engine")
     ap.add_argument("--mtp-draft-vocab", type=int, default=32768,
                     help="the MTP drafter's reduced vocabulary (0: the full head), where the runtime has one")
     ap.add_argument("--mtp-graphs", action=argparse.BooleanOptionalAction, default=None,

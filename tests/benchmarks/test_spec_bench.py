@@ -101,7 +101,7 @@ def test_a_run_off_its_reference_is_not_at_alpha_and_says_so(tiny_model, plain_r
     assert g["speedup"] is None and not g["met"] and "left their reference" in g["not_at_alpha"]
 
     oracle.set_references(prompts, off)
-    assert spec_speedup.converge(llm, oracle, prompts, 40, reruns=2, seed=0) == 0
+    assert spec_speedup.converge(llm, oracle, prompts, 40, runs=3, seed=0) == 0
     oracle.configure(alpha=0.8, seed=1)
     r = spec_speedup.measure_case(llm, oracle, prompts, base, 3, 0.8, 40, reruns=2)
     assert r["run"] == 1 and r["held"] and r["exact"] and abs(r["alpha_measured"] - 0.8) < 0.15
