@@ -12,9 +12,11 @@ with probability α given the ones before it, whatever the model's weights.
 ``cost``: a real drafter (e.g. the target's MTPDrafter) run on every propose for its time alone,
 its tokens discarded; it gets the hidden-state hand-over it needs, so the step costs what drafting
 with it costs. A request whose history leaves its reference (verify numerics at another row count
-taking another argmax within bf16 rounding) gets no drafts from then on; its prompt is in
-``diverged``, and a benchmark can run it again with that run's output as its reference (the
-same drafts and steps give the same numerics, so the first flip is then the reference's own).
+taking another argmax within bf16 rounding) gets no drafts from then on, so a run with one is not
+at α: its prompt is in ``diverged``, and the refused reference draft there is a flip, not a
+rejection (``alpha_measured`` leaves it out). A benchmark can run it again with that run's output
+as its reference; the tokens after the flip were decoded without drafts, so drafting them may flip
+another one: a case is at α only when a run ends with ``diverged`` empty.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class _Track:
     prompt_len: int
     rng: random.Random
     proposed: list[int]
+    start: int = 0             # output position of proposed[0]
     diverged: bool = False
 
 
@@ -99,7 +102,7 @@ class OracleDrafter(Drafter):
             for j, t in enumerate(drafts):
                 if tr.rng.random() >= self.alpha:        # another token: never the target's
                     drafts[j] = (t + 1 + tr.rng.randrange(self.vocab_size - 1)) % self.vocab_size
-            tr.proposed = drafts
+            tr.proposed, tr.start = drafts, n
             out.tokens[i] = drafts
             self.drafted += len(drafts)
         if any(out.tokens):
@@ -118,7 +121,9 @@ class OracleDrafter(Drafter):
         if tr is not None and tr.proposed:
             a = min(common_prefix(tr.proposed, tokens), len(tokens) - 1)
             self.accepted += a
-            self.evaluated += a + (a < len(tr.proposed))
+            # a refused draft the oracle left as the reference is a numerics flip (the request
+            # leaves its reference here), not a rejection at the set α: it is not judged
+            self.evaluated += a + (a < len(tr.proposed) and tr.proposed[a] != tr.ref[tr.start + a])
             tr.proposed = []
         if self.cost is not None:
             self.cost.on_commit(request_id, tokens)

@@ -41,6 +41,16 @@ def mtp_ratio(doc: dict) -> str:
             f"{K3_LAYERS} layers ~1/{K3_LAYERS / L / r:.0f} (the k3× column's model)")
 
 
+def at_alpha(c: dict) -> bool:
+    """A spec row whose run kept every request on its reference: its figures are at its α."""
+    return c.get("held", not c.get("diverged"))
+
+
+def mark(c: dict) -> dict:
+    """The row as the table prints it: a case not at its α named so."""
+    return c if at_alpha(c) else {**c, "name": f"{c['name']} !α"}
+
+
 def goals(cases: list[dict]) -> dict:
     """Issue 46's speed goals (K = 3, MTP-cost drafting) on the cases that ran."""
     by = {(c["spec_tokens"], c["batch"], c["cost"], c["alpha"]): c for c in cases
@@ -48,6 +58,9 @@ def goals(cases: list[dict]) -> dict:
 
     def speedup(b, alpha, target):
         c = by.get((3, b, "mtp", alpha), {})
+        if c and not at_alpha(c):
+            return {"speedup": None, "goal": target, "met": False,
+                    "not_at_alpha": f"{c.get('diverged')} requests left their reference in its run {c.get('run')}"}
         s = c.get("speedup")
         return {"speedup": s, "goal": target, "met": s is not None and s >= target,
                 "k3_model_speedup": c.get("k3_model_speedup")}
@@ -66,26 +79,33 @@ COLUMNS = [("case", "name", 22, ""), ("tok/s", "tokens_per_s", 9, ".1f"), ("spee
            ("decode", "decode_ms", 7, ".3f"), ("v/d", "verify_vs_decode", 5, ".2f"),
            ("roof×", "graph_vs_roofline", 6, ".2f"),
            ("host exp", "host_exposed_ms", 8, ".3f"), ("host hid", "host_hidden_ms", 8, ".3f"), ("exact", "exact", 5, ""),
-           ("reruns", "reruns", 6, "d")]
+           ("run", "run", 3, "d"), ("off ref", "diverged", 7, "d")]
 
 
 def report(doc: dict) -> None:
-    rows = [c for c in doc["cases"] if "skipped" not in c]
+    rows = [mark(c) for c in doc["cases"] if "skipped" not in c]
     print_table(f"spec_speedup: {doc['preset']} preset ({doc['dtype']}, {doc['model']['params'] / 1e9:.2f}B params, "
                 f"{doc['model']['layers']} layers + 1 MTP), prompt {doc['settings']['prompt_len']}, "
                 f"max_tokens {doc['settings']['max_tokens']}", doc["machine"]["ceilings"], COLUMNS, rows,
                 note="ms per step; ideal×: E[tokens/step] x decode/verify, free drafts and no host time; roof×: the "
                      "verify (plain: decode) graph / its roofline; "
-                     "host hid: an estimate (module doc); α meas: accepted / judged draft positions; "
+                     "host hid: an estimate (module doc); α meas: accepted / judged draft positions (a flip off "
+                     "the reference is not judged); "
                      "tok/st: tokens per step per request; k3×: a model, not a measurement: the speedup at "
                      f"K3's {K3_LAYERS} layers from this run's per-layer decode / verify ms, draft and host ms "
-                     "(spec_report.k3_model)")
+                     "(spec_report.k3_model); tok/s to host exp: the case's run `run` (1-based; runs before it "
+                     "set references), verify and decode: graph replays after the batch's cases; off ref: "
+                     "requests that left their reference in that run (no drafts after it): a case marked !α is "
+                     "not at its α and is left out of the goals and the plot")
     print(mtp_ratio(doc))
     for n in doc.get("notes", []):
         print(f"note: {n}")
     for c in doc["cases"]:
         if "error" in c or "skipped" in c:
             print(f"{c['name']}: {c.get('error') or c.get('skipped')}")
+        elif c.get("kind") == "spec" and not at_alpha(c):
+            print(f"{c['name']}: not at α {c['alpha']}: {c.get('diverged')} of {c['batch']} requests left their "
+                  f"reference in its run {c.get('run')} and drafted nothing after")
     for k, v in doc.get("goals", {}).items():
         print(f"goal {k}: {'met' if v['met'] else 'NOT met'} ({', '.join(f'{a}={b}' for a, b in v.items() if a != 'met')})")
 
@@ -101,7 +121,7 @@ def plot(doc: dict, path: Path | None) -> None:
     except ImportError:
         log.info("matplotlib does not import: no plot")
         return
-    spec = [c for c in doc["cases"] if c.get("kind") == "spec" and c.get("speedup")]
+    spec = [c for c in doc["cases"] if c.get("kind") == "spec" and c.get("speedup") and at_alpha(c)]
     batches = sorted({c["batch"] for c in spec})
     if not batches:
         return

@@ -40,10 +40,16 @@ a model, not a measurement, of the speedup at K3's 93 layers (spec_report.k3_mod
 verify ms scaled by 93 / layers, draft and host ms as measured; the preset's one MTP layer is
 ~1/24 of its step, K3's ~1/93). A verify step may take another argmax than plain decoding where two
 logits are within bf16 rounding; the request then leaves its reference and the oracle stops
-drafting for it, so such a case runs again (up to --reruns times) with its own outputs as those
-requests' references (same drafts, same steps, same numerics). Every run's output is compared
-with the plain run's: ``exact``, and ``differ_from_plain`` requests. Greedy,
-EOS ignored, fixed max_tokens, prefix caching off. The JSON is rewritten after each case; cases
+drafting for it, so such a run is not at α. Before a batch's cases its references are brought to
+the speculating engine (runs at α 1, free drafts, each taking the last run's outputs as the
+references of the requests that left theirs, up to --converge-runs runs), so no case pays for that;
+a case then runs again the same way while requests leave their reference. Each row's figures come
+from its last run (``run``, 1-based; the runs before it only set references) and ``held`` says
+whether every request kept its reference there (``diverged``: those that did not); a row not held
+is not at its α: the table marks it, the goals and the plot leave it out. Every row's output is
+compared with the plain run's: ``exact``, and ``differ_from_plain`` requests (bf16 flips make
+these differ; the oracle's references, not plain output, set α). Greedy, EOS ignored, fixed
+max_tokens, prefix caching off. The JSON is rewritten after each case; cases
 past --budget-s are skipped and say so. --breakdown: benchmarks/spec_breakdown.py instead of the
 sweep. Plot: PNG beside the JSON when matplotlib imports.
 """
@@ -250,6 +256,10 @@ def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batc
             host_sync[b] = _minus(r["step_ms"], base[b]["decode_ms"])
             base[b]["host_sync_ms"] = host_sync[b]
             base[b]["host_hidden_ms"] = _hidden(host_sync[b], base[b]["host_exposed_ms"])
+        off = 0 if run.over_budget() else converge(llm, oracle, ps[b], a.max_tokens, a.converge_runs, a.seed)
+        if off:
+            run.doc["notes"].append(f"K{k} b{b}: {off} requests still off their reference after {a.converge_runs} "
+                                    "runs at α 1 (the cases rerun them too)")
         rows = []
         for cost in a.costs:
             oracle.configure(alpha=1.0, cost=mtp if cost == "mtp" else None)
@@ -271,10 +281,10 @@ def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batc
     oracle.configure(alpha=1.0, cost=None)      # the oracle outlives the engine: drop its MTP drafter
 
 
-def measure_case(llm: LLM, oracle: OracleDrafter, ps: list, base: dict, k: int, alpha: float, max_tokens: int,
-                 reruns: int) -> dict:
-    """One run of the prompts; while requests left their reference (a verify step's argmax other
-    than plain decoding's, within bf16 rounding), again with that run's outputs as their references."""
+def run_until_held(llm: LLM, oracle: OracleDrafter, ps: list, max_tokens: int, reruns: int) -> tuple[dict, int]:
+    """Runs of the prompts until one ends with every request on its reference (at most reruns + 1);
+    after a run where some left theirs (a verify step's argmax other than plain decoding's, within
+    bf16 rounding), those requests take its outputs as their references. The last run and its index."""
     for rerun in range(reruns + 1):
         r = drive(llm, ps, max_tokens, oracle=oracle)
         if not oracle.diverged or rerun == reruns:
@@ -283,13 +293,34 @@ def measure_case(llm: LLM, oracle: OracleDrafter, ps: list, base: dict, k: int, 
             if tuple(p) in oracle.diverged:
                 oracle.set_references([p], [out])
         oracle.configure(alpha=oracle.alpha, seed=oracle.seed, cost=oracle.cost)
+    return r, rerun
+
+
+def converge(llm: LLM, oracle: OracleDrafter, ps: list, max_tokens: int, runs: int, seed: int) -> int:
+    """The references brought to this engine's verify numerics before a batch's cases (at α 1, free
+    drafts), so no case (the first, say) pays for it. Requests still off their reference after it."""
+    oracle.configure(alpha=1.0, seed=seed, cost=None)
+    if runs > 0:
+        run_until_held(llm, oracle, ps, max_tokens, runs - 1)
+    off = len(oracle.diverged)
+    oracle.configure(alpha=1.0, seed=seed, cost=None)
+    return off
+
+
+def measure_case(llm: LLM, oracle: OracleDrafter, ps: list, base: dict, k: int, alpha: float, max_tokens: int,
+                 reruns: int) -> dict:
+    """One case: its figures come from the last of run_until_held's runs (``run``, 1-based);
+    ``held`` False where requests left their reference in it (``diverged``): they got no drafts
+    from there on, so its figures are not at α."""
+    r, rerun = run_until_held(llm, oracle, ps, max_tokens, reruns)
     outs = r.pop("outputs")
     r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3) if r["tokens_per_s"] else None
     r["exact"] = outs == base["outputs"]
     r["differ_from_plain"] = sum(o != b for o, b in zip(outs, base["outputs"]))     # requests
-    r["reruns"] = rerun
-    r["alpha_measured"] = round(oracle.alpha_measured, 4) if oracle.alpha_measured is not None else None
+    r["reruns"], r["run"] = rerun, rerun + 1
     r["diverged"] = len(oracle.diverged)
+    r["held"] = not oracle.diverged
+    r["alpha_measured"] = round(oracle.alpha_measured, 4) if oracle.alpha_measured is not None else None
     r["drafted_tokens"] = oracle.drafted
     r["draft_ms_per_token"] = round(oracle.draft_s * 1e3 / oracle.drafted, 4) if oracle.drafted else None
     r["draft_ms_per_step"] = round(oracle.draft_s * 1e3 / r["decode_steps"], 4) if r["decode_steps"] else None
@@ -342,6 +373,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--budget-s", type=int, default=None,
                     help="skip cases that would start after this (default 330, --quick 90: whole runs < 7 / 2.5 min)")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
+    ap.add_argument("--converge-runs", type=int, default=6,
+                    help="runs at α 1 before a batch's cases that bring its references to the speculating engine")
     ap.add_argument("--mtp-draft-vocab", type=int, default=32768,
                     help="the MTP drafter's reduced vocabulary (0: the full head), where the runtime has one")
     ap.add_argument("--mtp-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -72,8 +72,39 @@ def test_a_case_reruns_requests_that_left_their_reference(tiny_model, plain_run)
     oracle.configure(alpha=1.0)
     llm = engine(model, k=3, drafter=oracle)
     r = spec_speedup.measure_case(llm, oracle, prompts, {"tokens_per_s": 1.0, "outputs": ref}, 3, 1.0, 40, reruns=2)
-    assert r["reruns"] == 1 and r["diverged"] == 0 and r["exact"] and r["differ_from_plain"] == 0
+    assert r["reruns"] == 1 and r["run"] == 2 and r["held"] and r["diverged"] == 0
+    assert r["exact"] and r["differ_from_plain"] == 0
     assert r["alpha_measured"] == 1.0 and r["tokens_per_step"] > 3
+
+
+def test_a_run_off_its_reference_is_not_at_alpha_and_says_so(tiny_model, plain_run):
+    """The figures of a run where requests left their reference (no drafts after the flip: few
+    tokens per step) are marked as not at α, kept out of the goals, and the flip is no rejection
+    in α measured; converging the references first makes the case's first run hold."""
+    import spec_report  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    import spec_speedup  # noqa: PLC0415
+    cfg, model = tiny_model
+    prompts, ref = plain_run
+    off = [r[:10] + [(t + 1) % cfg.vocab_size for t in r[10:]] for r in ref]
+    oracle = OracleDrafter(cfg.vocab_size)
+    oracle.set_references(prompts, off)
+    oracle.configure(alpha=1.0)
+    llm = engine(model, k=3, drafter=oracle)
+    base = {"tokens_per_s": 1.0, "outputs": ref}
+    r = spec_speedup.measure_case(llm, oracle, prompts, base, 3, 1.0, 40, reruns=0)
+    assert r["run"] == 1 and not r["held"] and r["diverged"] == len(prompts)
+    assert r["alpha_measured"] == 1.0 and oracle.evaluated == oracle.accepted > 0     # the flips are not judged
+    assert r["tokens_per_step"] < 2          # drafts stopped at token 10 of 40
+    row = {"name": "K3 b1 mtp a1.0", "kind": "spec", "spec_tokens": 3, "batch": 1, "cost": "mtp", "alpha": 1.0, **r}
+    assert spec_report.mark(row)["name"].endswith("!α") and not spec_report.at_alpha(row)
+    g = spec_report.goals([row])["b1_K3_a1.0_mtp_3.2x"]
+    assert g["speedup"] is None and not g["met"] and "left their reference" in g["not_at_alpha"]
+
+    oracle.set_references(prompts, off)
+    assert spec_speedup.converge(llm, oracle, prompts, 40, runs=3, seed=0) == 0
+    oracle.configure(alpha=0.8, seed=1)
+    r = spec_speedup.measure_case(llm, oracle, prompts, base, 3, 0.8, 40, reruns=2)
+    assert r["run"] == 1 and r["held"] and r["exact"] and abs(r["alpha_measured"] - 0.8) < 0.15
 
 
 def test_oracle_refuses_unknown_prompts_and_bad_alpha(tiny_model):
@@ -116,7 +147,7 @@ def test_spec_speedup_cpu_smoke(tmp_path):
         assert "error" not in c, (c["name"], c.get("traceback"))
         assert c["tokens_per_s"] > 0 and "outputs" not in c
     for c in spec:
-        assert c["exact"] and c["diverged"] == c["reruns"] == c["differ_from_plain"] == 0
+        assert c["exact"] and c["held"] and c["run"] == 1 and c["diverged"] == c["differ_from_plain"] == 0
         assert c["verify_ms"] > 0 and c["ideal_speedup"] > 0 and c["k3_model_speedup"] > 0
         if c["alpha"] == 1.0:
             assert c["alpha_measured"] == 1.0
