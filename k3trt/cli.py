@@ -148,6 +148,24 @@ def rank_options(f):
     return f
 
 
+def draft_options(f):
+    """--draft-vocab, --draft-vocab-counts and --adaptive-k/--fixed-k: how model drafters draft."""
+    f = click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
+                     help="per-request K from its recent acceptance, up to --spec-tokens")(f)
+    f = click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
+                     "default: the tokenizer's merge order)")(f)
+    return click.option("--draft-vocab", "draft_vocab", type=click.IntRange(min=1), default=None,
+                        help="model drafters (mtp, draft:DIR, layerskip:N) score only the N most frequent ids")(f)
+
+
+def _draft_engine_options(draft_vocab, draft_vocab_counts, adaptive_k) -> dict:
+    """The engine options draft_options' flags ask for (those given; the runtime checks them)."""
+    opts = {k: v for k, v in (("draft_vocab_size", draft_vocab), ("draft_vocab_counts", draft_vocab_counts))
+            if v is not None}
+    return opts if adaptive_k else {**opts, "adaptive_k": False}
+
+
 def _rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout) -> dict:
     """Engine options for ENGINE_DIR's rank layout (read from its config.json), after checking that
     --tp/--dcp/--ep match it and that a torchrun world has its size."""
@@ -188,13 +206,7 @@ def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:
 @click.option("--seed", type=int, default=None)
 @click.option("--speculative", default="none", show_default=True, help="none | ngram | draft:DIR | mtp | layerskip:N")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
-@click.option("--draft-vocab", "draft_vocab", type=click.IntRange(min=1), default=None,
-              help="model drafters (mtp, draft:DIR, layerskip:N) score only the N most frequent ids")
-@click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
-                   "default: the tokenizer's merge order)")
-@click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
-              help="per-request K from its recent acceptance, up to --spec-tokens")
+@draft_options
 @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="constrain the output to this JSON schema (a file)")
 @click.option("--regex", default=None, help="constrain the output to this regular expression")
@@ -215,9 +227,9 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
         if _torchrun_worker(engine_dir, device, ranks):
             return
         out = run(engine_dir, prompt, chat=chat, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                  device=device, speculative=speculative, spec_tokens=spec_tokens, adaptive_k=adaptive_k,
-                  json_schema=json_schema, regex=regex, grammar=grammar, draft_vocab_size=draft_vocab,
-                  draft_vocab_counts=draft_vocab_counts, images=list(images), **ranks)
+                  device=device, speculative=speculative, spec_tokens=spec_tokens, json_schema=json_schema,
+                  regex=regex, grammar=grammar, images=list(images),
+                  **_draft_engine_options(draft_vocab, draft_vocab_counts, adaptive_k), **ranks)
     except (ValueError, NotImplementedError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(out) if as_json else out["text"])
@@ -240,13 +252,7 @@ def run_cmd(engine_dir, prompt, chat, max_tokens, temperature, seed, speculative
 @click.option("--speculative", default="none", show_default=True,
               help="none | ngram | draft:DIR | mtp | layerskip:N (a request opts out with \"speculative\": false)")
 @click.option("--spec-tokens", type=click.IntRange(1, 7), default=None, help="K drafts per step (default: the engine's)")
-@click.option("--draft-vocab", "draft_vocab", type=click.IntRange(min=1), default=None,
-              help="model drafters (mtp, draft:DIR, layerskip:N) score only the N most frequent ids")
-@click.option("--draft-vocab-counts", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="token counts ranking the draft vocabulary (JSON list/object or one count per line; "
-                   "default: the tokenizer's merge order)")
-@click.option("--adaptive-k/--fixed-k", default=True, show_default=True,
-              help="per-request K from its recent acceptance, up to --spec-tokens")
+@draft_options
 @click.option("--allowed-media-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="image_url file:// paths are read only under this directory (default: none; data: URLs always)")
 @click.option("--max-image-bytes", type=click.IntRange(min=1), default=None,
@@ -263,10 +269,7 @@ def serve_cmd(engine_dir, host, port, api_key, model_name, device, max_queue, ma
         opts["speculative"] = speculative
     if spec_tokens is not None:
         opts["spec_tokens"] = spec_tokens
-    if draft_vocab is not None:
-        opts["draft_vocab_size"], opts["draft_vocab_counts"] = draft_vocab, draft_vocab_counts
-    if not adaptive_k:
-        opts["adaptive_k"] = False
+    opts.update(_draft_engine_options(draft_vocab, draft_vocab_counts, adaptive_k))
     if max_image_bytes is not None:
         opts["max_image_bytes"] = max_image_bytes
     try:
