@@ -85,6 +85,17 @@ class BlockList:
         blocks.clear()
 
 
+def pick_into(draw, logits: torch.Tensor, rows: list, masks, out, qs: dict[int, list]) -> list:
+    """One draft step's tokens for `rows` (index, input, state, wanted), drawn by `draw` under
+    `masks`, appended to `out` with their q; returns them (None: the row's draw gave none)."""
+    toks, q = draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows], masks)
+    for (i, *_), t, qr in zip(rows, toks, q):
+        if t is not None:
+            out.tokens[i].append(t)
+            qs[i].append(qr)
+    return toks
+
+
 def draft_live(drafter, live: list, out) -> None:
     """A model drafter's propose after its bookkeeping: `drafter._draft` over the `live` rows under
     their grammar masks (the masks' matchers rolled back however it ends), then each row's q."""
@@ -184,12 +195,7 @@ class DraftModelDrafter(Drafter):
                     st.fed.append(out.tokens[i][-1])
             logits = self._logits(steps)
             self._save_state([st.slot for _, _, st, _ in rows], j)
-            toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
-                                     masks)
-            for (i, *_), t, qr in zip(rows, toks, q):
-                if t is not None:
-                    out.tokens[i].append(t)
-                    qs[i].append(qr)
+            pick_into(self.draw, logits, rows, masks, out, qs)
 
     def on_commit(self, request_id: str, tokens: Sequence[int]) -> None:
         st = self.seqs.get(request_id)

@@ -58,7 +58,7 @@ from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache, StepContext
 from k3trt.runtime import sampling
 from k3trt.runtime.graphs import graphs_by_default
-from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, draft_live, drawer, step_context
+from k3trt.runtime.speculative.draft_model import BlockList, SeqStep, draft_live, drawer, pick_into, step_context
 from k3trt.runtime.speculative.drafter import DraftInput, Drafter, Proposal
 from k3trt.runtime.speculative.draw import DraftMasks
 from k3trt.runtime.speculative.mtp_graphs import MTPGraphs
@@ -188,12 +188,7 @@ class MTPDrafter(Drafter):
         for j in range(max(w for *_, w in live)):
             g, logits = self._step(steps, prev, embeds)
             embeds = None
-            toks, q = self.draw.pick(logits, [inp for _, inp, _, _ in rows], [st.generator for _, _, st, _ in rows],
-                                     masks)
-            for (i, *_), t, qr in zip(rows, toks, q):
-                if t is not None:
-                    out.tokens[i].append(t)
-                    qs[i].append(qr)
+            toks = pick_into(self.draw, logits, rows, masks, out, qs)
             # the next step's rows: the sequences that want more than j + 1 drafts and got this one
             keep = [a for a, r in enumerate(rows) if r[3] > j + 1 and toks[a] is not None]
             if not keep:
