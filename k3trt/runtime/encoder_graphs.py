@@ -31,6 +31,7 @@ from torch import Tensor
 
 from k3trt.model.vision import VisionBatch, VisionEncoder, vision_batch
 from k3trt.model.vision.tower import attention_mode
+from k3trt.runtime.cuda_graph import capture
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +102,7 @@ class EncoderGraphs:
         kh, kw = self.encoder.cfg.merge_kernel_size
         for st in sorted(self.steps, key=lambda s: -s.capacity):     # largest first: the rest reuse its pool
             st.pack(torch.zeros(kh * kw, *st.pixels.shape[1:], dtype=self.dtype, device=self.device), [(1, kh, kw)])
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(2):
-                    self._run(st)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=pool), torch.inference_mode():
-                self._run(st)
+            st.graph = capture(lambda st=st: self._run(st), self.device, pool)
         torch.cuda.synchronize(self.device)
         log.info("captured %d encoder graphs (patch capacities %s, %s attention) in %.1fs", len(self.steps),
                  [s.capacity for s in self.steps], self.attention, time.perf_counter() - t0)

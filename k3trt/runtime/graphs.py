@@ -32,6 +32,7 @@ import torch
 
 from k3trt.config import ModelConfig
 from k3trt.model.context import StepContext
+from k3trt.runtime.cuda_graph import capture
 from k3trt.runtime.encoder_graphs import EncoderGraphs
 from k3trt.runtime.engine import Batch, TorchSession
 from k3trt.runtime.kv_cache import CachePlan
@@ -174,17 +175,7 @@ class GraphSession(TorchSession):
         for (S, Q), st in sorted(self.steps.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
             st.layout.pad(st.host, self.spare_slot)        # capture runs on an all-padding step
             st.dev.copy_(st.host)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(2):      # compiles the Triton kernels and settles the allocator
-                    self._run_static(st)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            if sharded:
-                torch.cuda.synchronize(self.device)
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=pool, capture_error_mode=mode), torch.inference_mode():
-                self._run_static(st)
+            st.graph = capture(lambda st=st: self._run_static(st), self.device, pool, mode=mode, sync_before=sharded)
         torch.cuda.synchronize(self.device)
         log.info("captured %d step graphs (capacity x rows: %s) in %.1fs", len(self.steps),
                  ", ".join(f"{S}x{Q}" for S, Q in sorted(self.steps)), time.perf_counter() - t0)

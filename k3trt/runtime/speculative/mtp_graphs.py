@@ -31,6 +31,7 @@ from k3trt.model.context import StepContext
 from k3trt.model.mla import ABSORBED_MAX_Q
 from k3trt.runtime.engine import Seq, make_batch
 from k3trt.runtime.graphs import Layout, StaticStep
+from k3trt.runtime.cuda_graph import capture
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +106,6 @@ class MTPGraphs:
         for key, st in sorted(self.steps.items(), key=lambda kv: -kv[0][0] * kv[0][1]):   # largest first
             st.layout.pad(st.host, 0)          # capture runs on an all-padding step
             st.dev.copy_(st.host)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(2):             # compiles the Triton kernels and settles the allocator
-                    self._run_static(key)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            st.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st.graph, pool=pool), torch.inference_mode():
-                self._run_static(key)
+            st.graph = capture(lambda key=key: self._run_static(key), self.device, pool)
         torch.cuda.synchronize(self.device)
         log.info("captured %d MTP draft-step graphs in %.1fs", len(self.steps), time.perf_counter() - t0)
