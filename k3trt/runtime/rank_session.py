@@ -72,8 +72,6 @@ def parallel_config(ed: EngineDir | None, *, tp: int | None, dcp: int | None, ep
     contradict a split engine dir's layout are an error."""
     asked = {k: v for k, v in dict(tp=tp, dcp=dcp, ep=ep, dcp_interleave=dcp_interleave).items() if v is not None}
     built = getattr(ed, "parallel", None)
-    if isinstance(built, dict):
-        built = ParallelConfig(**built)
     if built is not None and built.world_size > 1:
         have = {f: getattr(built, f) for f in asked}
         if have != asked:
