@@ -47,14 +47,15 @@ def cache_plan(cfg, a, k: int, batches: list[int]) -> CachePlan:
                       num_blocks=max(batches) * -(-a.max_seq_len // BLOCK))
 
 
-def fitting_batches(run: "Run", cfg, k: int) -> list[int]:
-    """The batches whose cache fits --kv-cache-mb at this K; those left out are rows saying why."""
-    a, fit = run.args, list(run.args.batches)
+def fitting_batches(run: "Run", cfg, k: int, batches: list[int]) -> list[int]:
+    """Those of `batches` whose cache fits --kv-cache-mb at this K; those left out are rows saying why."""
+    a, fit = run.args, sorted(batches)
     while fit and cache_plan(cfg, a, k, fit).total_bytes > a.kv_cache_mb << 20:
         b = fit.pop()
         need = cache_plan(cfg, a, k, fit + [b]).total_bytes / 2**30
         run.skip(f"K{k} b{b}", f"its cache (KDA states for K+1 positions) needs {need:.1f} GiB, over --kv-cache-mb "
-                 f"{a.kv_cache_mb} MiB", kind="spec" if k else "plain", spec_tokens=k, batch=b)
+                 f"{a.kv_cache_mb} MiB at {cfg.num_hidden_layers} layers", kind="spec" if k else "plain",
+                 spec_tokens=k, batch=b, layers=cfg.num_hidden_layers)
     return fit
 
 

@@ -12,33 +12,15 @@ log = logging.getLogger("spec_speedup")
 K3_LAYERS = 93          # K3's decoder layers; it has one MTP layer, as the presets do
 
 
-def k3_model(cases: list[dict], layers: int) -> None:
-    """A model, not a measurement: each spec row's speedup were the target K3's 93 layers deep, the
-    decode and verify graphs scaled by 93 / layers (per-layer cost as measured), drafting (one MTP
-    layer per token) and host time as measured. K3's wider expert set (top-16 of 384) makes its
-    verify touch more experts per row than the preset's; --breakdown measures that part apart."""
-    plain = {c["batch"]: c for c in cases if c.get("kind") == "plain" and c.get("decode_ms")}
-    scale = K3_LAYERS / layers
-    for c in cases:
-        p = plain.get(c.get("batch"))
-        need = ("verify_ms", "draft_ms_per_step", "host_exposed_ms", "tokens_per_step")
-        if c.get("kind") != "spec" or p is None or any(c.get(n) is None for n in need):
-            continue
-        plain_step = p["decode_ms"] * scale + (p.get("host_exposed_ms") or 0.0)
-        spec_step = c["verify_ms"] * scale + c["draft_ms_per_step"] + c["host_exposed_ms"]
-        c["k3_model_speedup"] = round(c["tokens_per_step"] * plain_step / spec_step, 3)
-        c["mtp_vs_decode"] = round(c["draft_ms_per_token"] / p["decode_ms"], 4) if c.get("draft_ms_per_token") else None
-
-
 def mtp_ratio(doc: dict) -> str:
-    """The measured MTP draft : decode step at batch 1, and what K3's depth makes of it."""
-    r = next((c["mtp_vs_decode"] for c in doc["cases"] if c.get("cost") == "mtp" and c.get("batch") == 1
-              and c.get("mtp_vs_decode")), None)
-    L = doc["model"]["layers"]
-    if r is None:
-        return f"MTP draft : decode step not measured ({L} layers + 1 MTP; K3: {K3_LAYERS} + 1)"
-    return (f"MTP draft token : decode step at batch 1 = {r:.3f} (~1/{1 / r:.0f}) with {L} layers; at K3's "
-            f"{K3_LAYERS} layers ~1/{K3_LAYERS / L / r:.0f} (the k3× column's model)")
+    """The measured MTP draft token : decode step at batch 1, at the depth it ran."""
+    c = next((c for c in doc["cases"] if c.get("cost") == "mtp" and c.get("batch") == 1
+              and c.get("draft_ms_per_token") and c.get("decode_ms")), None)
+    if c is None:
+        return "MTP draft : decode step not measured"
+    r = c["draft_ms_per_token"] / c["decode_ms"]
+    return (f"MTP draft token : decode step at batch 1 = {r:.4f} (~1/{1 / r:.0f}) with {c.get('layers')} layers + 1 MTP "
+            f"(K3: {K3_LAYERS} + 1)")
 
 
 def at_alpha(c: dict) -> bool:
@@ -62,8 +44,7 @@ def goals(cases: list[dict]) -> dict:
             return {"speedup": None, "goal": target, "met": False,
                     "not_at_alpha": f"{c.get('diverged')} requests left their reference in its run {c.get('run')}"}
         s = c.get("speedup")
-        return {"speedup": s, "goal": target, "met": s is not None and s >= target,
-                "k3_model_speedup": c.get("k3_model_speedup")}
+        return {"speedup": s, "goal": target, "met": s is not None and s >= target, "layers": c.get("layers")}
     out = {"b1_K3_a0.8_mtp_2.5x": speedup(1, 0.8, 2.5), "b1_K3_a1.0_mtp_3.2x": speedup(1, 1.0, 3.2),
            "b32_K3_a0.8_mtp_1.5x": speedup(32, 0.8, 1.5)}
     v = next((c.get("verify_vs_decode") for key, c in by.items() if key[:2] == (3, 1)), None)
@@ -74,26 +55,27 @@ def goals(cases: list[dict]) -> dict:
 
 COLUMNS = [("case", "name", 22, ""), ("tok/s", "tokens_per_s", 9, ".1f"), ("speedup", "speedup", 7, ".2f"),
            ("ideal×", "ideal_speedup", 6, ".2f"), ("of id", "of_ideal", 5, ".2f"), ("α meas", "alpha_measured", 6, ".3f"),
-           ("k3×", "k3_model_speedup", 5, ".2f"), ("tok/st", "tokens_per_step", 6, ".2f"), ("step ms", "step_ms", 8, ".3f"),
+           ("layers", "layers", 6, "d"), ("tok/st", "tokens_per_step", 6, ".2f"), ("step ms", "step_ms", 8, ".3f"),
            ("draft/tok", "draft_ms_per_token", 9, ".3f"), ("verify", "verify_ms", 7, ".3f"),
            ("decode", "decode_ms", 7, ".3f"), ("v/d", "verify_vs_decode", 5, ".2f"),
            ("roof×", "graph_vs_roofline", 6, ".2f"),
-           ("host exp", "host_exposed_ms", 8, ".3f"), ("host hid", "host_hidden_ms", 8, ".3f"), ("exact", "exact", 5, ""),
+           ("host exp", "host_exposed_ms", 8, ".3f"), ("host hid", "host_hidden_ms", 8, ".3f"),
+           ("ahead", "ahead_share", 5, ".2f"), ("exact", "exact", 5, ""),
            ("run", "run", 3, "d"), ("off ref", "diverged", 7, "d")]
 
 
 def report(doc: dict) -> None:
     rows = [mark(c) for c in doc["cases"] if "skipped" not in c]
-    print_table(f"spec_speedup: {doc['preset']} preset ({doc['dtype']}, {doc['model']['params'] / 1e9:.2f}B params, "
-                f"{doc['model']['layers']} layers + 1 MTP), prompt {doc['settings']['prompt_len']}, "
+    m = doc["model"]
+    print_table(f"spec_speedup: {doc['preset']} preset ({doc['dtype']}, {m['params'] / 1e9:.2f}B params in "
+                f"{m['distinct_layers']} built layers, run {m['layers']} deep + 1 MTP), prompt {doc['settings']['prompt_len']}, "
                 f"max_tokens {doc['settings']['max_tokens']}", doc["machine"]["ceilings"], COLUMNS, rows,
                 note="ms per step; ideal×: E[tokens/step] x decode/verify, free drafts and no host time; roof×: the "
                      "verify (plain: decode) graph / its roofline; "
                      "host hid: an estimate (module doc); α meas: accepted / judged draft positions (a flip off "
                      "the reference is not judged); "
-                     "tok/st: tokens per step per request; k3×: a model, not a measurement: the speedup at "
-                     f"K3's {K3_LAYERS} layers from this run's per-layer decode / verify ms, draft and host ms "
-                     "(spec_report.k3_model); tok/s to host exp: the case's run `run` (1-based; runs before it "
+                     "tok/st: tokens per step per request; layers: the depth the row ran at; ahead: steps "
+                     "launched before the host's commit / steps; tok/s to host exp: the case's run `run` (1-based; runs before it "
                      "set references), verify and decode: graph replays after the batch's cases; off ref: "
                      "requests that left their reference in that run (no drafts after it): a case marked !α is "
                      "not at its α and is left out of the goals and the plot")
