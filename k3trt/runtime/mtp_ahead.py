@@ -15,7 +15,8 @@ with committed length L (before N):
 Rows of step 0 past L - 1 + n write MTP cache entries past the true ones; every later step 0
 rewrites from ``valid`` before reading there, as the drafter's own chained entries are. When N's
 hidden rows are handed over (on_hidden, at N's commit), ``valid`` moves to len - 2, as the
-drafter's own propose would have left it. Greedy drafts only (spec_ahead launches greedy requests).
+drafter's own propose would have left it. Greedy drafts only (spec_ahead launches greedy requests),
+scored over the drafter's head: its reduced draft vocabulary where it has one, as on the host.
 """
 
 from __future__ import annotations
@@ -28,8 +29,16 @@ from k3trt.model.context import StepContext
 from k3trt.runtime.request import Request
 from k3trt.runtime.spec_ahead import to_device
 from k3trt.runtime.speculative.draft_model import SeqStep, step_context
+from k3trt.runtime.speculative.draft_vocab import DraftHead
 from k3trt.runtime.speculative.drafter import Drafter
 from k3trt.runtime.speculative.mtp import MTPDrafter
+
+
+def draft_argmax(head: DraftHead, g: torch.Tensor) -> torch.Tensor:
+    """The greedy draft ids of normed rows g over the drafter's head (its reduced vocabulary's
+    columns mapped back to ids), on the device."""
+    col = head(g).argmax(-1)
+    return col if head.ids is None else head.ids[col]
 
 
 class MTPAhead(Drafter):
@@ -122,7 +131,7 @@ class MTPAhead(Drafter):
             layer = m.model.layers[d.idx]
             h = layer(m.model.embed_tokens(ids), prev, ctx, d.cache)
             g = layer.shared_head.norm(h[first + n])
-            tok = m.lm_head(g).float().argmax(-1)
+            tok = draft_argmax(d.draw.head, g)
             drafts_out = [tok]
             if K > 1:
                 width = max(len(st.blocks) for _, _, st, _ in live)
@@ -138,7 +147,7 @@ class MTPAhead(Drafter):
                                     dev_fresh=torch.zeros(n_live, dtype=torch.bool, device=dev))
                     h = layer(m.model.embed_tokens(tok), g.to(wd), c, d.cache)
                     g = layer.shared_head.norm(h)
-                    tok = m.lm_head(g).float().argmax(-1)
+                    tok = draft_argmax(d.draw.head, g)
                     drafts_out.append(tok)
             out = out.index_copy(0, bidx, torch.stack(drafts_out, 1))
         self.ahead.update(r.request_id for _, r, _, _ in live)

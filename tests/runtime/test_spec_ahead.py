@@ -206,17 +206,20 @@ def test_mtp_drafts_on_the_device_as_on_the_host(engine, reference):
         assert all(h[c][:len(d[c])] == d[c][:len(h[c])] for c in common), rid
 
 
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "draft_vocab"])
 @pytest.mark.parametrize("n", [0, 1, 2, 3])
-def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n):
+def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n, reduced):
     """The same MTP state and verify step on two drafters: the device's drafts from (n, bonus, the
     step's hidden rows) equal the host's after it commits drafts[:n] + [bonus], and both then go on
-    drafting alike (the hand-over moves the device-drafted one's bookkeeping to the host's)."""
+    drafting alike (the hand-over moves the device-drafted one's bookkeeping to the host's); with a
+    reduced draft vocabulary both score only its ids."""
     cfg, model = tiny_model
     g = torch.Generator().manual_seed(n)
     H = cfg.hidden_size
     x = torch.randint(1, 1000, (11,), generator=g).tolist()
     hid = torch.randn(len(x) + 16, H, generator=g)
-    drafters = [MTPDrafter(model, cfg, k_max=K, max_live=2, max_model_len=64) for _ in range(2)]
+    ids = torch.randperm(cfg.vocab_size, generator=g)[:cfg.vocab_size // 8] if reduced else None
+    drafters = [MTPDrafter(model, cfg, k_max=K, max_live=2, max_model_len=64, draft_vocab=ids) for _ in range(2)]
     host, dev = drafters[0], MTPAhead(drafters[1])
     for d in (host, dev):                    # prompt handed over, one token sampled, drafts for step N
         d.on_hidden("r", 0, hid[:len(x) - 1])
@@ -233,6 +236,8 @@ def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n):
         d.on_commit("r", kept)
     want = host.propose([DraftInput("r", x2)], K).tokens[0]
     assert got == want
+    if reduced:
+        assert set(got) <= set(ids.tolist())
     # one more step on the host path for both: the device-drafted one picks up where it left
     V2, b2 = torch.randn(K + 1, H, generator=g), 7
     x3 = x2 + [b2]
