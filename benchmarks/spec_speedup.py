@@ -11,12 +11,12 @@ draft replaced with probability 1 - α. So the figures hold for any weights (ran
 what k3trt delivers for a model whose drafts are accepted at rate α. One process:
 
   ceilings   copy bandwidth and bf16 GEMM rate (harness.py; a CPU stand-in with --device cpu)
-  model      the preset's per-layer sizes (default ``spec``: K3's, 8 experts top-2, one MTP layer)
-             as deep as K3 (--layers, 93) on --distinct-layers built layers (deep_model.py: every
-             layer reads its weights from HBM, has its own KV cache and KDA state), so the MTP
-             layer is K3's share of a step. A batch whose cache (every request at --max-seq-len,
-             KDA states for K + 1 positions at the goals' K = 3) does not fit the device at that
-             depth runs at the deepest that fits, and its rows say so (``layers``)
+  model      the preset (default ``spec``: K3's per-layer sizes, 8 layers, 8 experts top-2, one MTP
+             layer) run as deep as K3 (--layers, 93) on its own layers' weights in turn
+             (deep_model.py: every layer reads its weights from HBM and has its own KV cache and
+             KDA state), so the MTP layer is K3's share of a step. A batch whose cache (every
+             request at --max-seq-len, KDA states for K + 1 positions at the goals' K = 3) does not
+             fit the device at that depth runs at the deepest that fits; its rows say so (``layers``)
   engines    per depth, one plain, then one per K, each alone on the device with its cache sized
              from need; a batch whose cache would pass --kv-cache-mb is skipped at that K with the
              reason; the next engine checks the last one is gone and its memory returned
@@ -234,8 +234,7 @@ def parse(argv: list[str] | None):
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: K3's 93 for the spec preset, "
                     "else the preset's own)")
     ap.add_argument("--distinct-layers", type=int, default=None,
-                    help="built layers whose weights the deep model reads in turn (default 8; the preset's own "
-                         "count when --layers is)")
+                    help="built layers whose weights the deep model reads in turn (default: the preset's own)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (batches 1,4, prompt 16, 12 tokens)")
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--seed", type=int, default=0)
@@ -277,8 +276,6 @@ def parse(argv: list[str] | None):
         torch.set_num_threads(1)        # tiny steps: one thread beats two fighting over CI's cores
     if args.layers is None:
         args.layers = 93 if args.preset == "spec" and not args.breakdown else 0       # 0: the preset's own
-    if args.distinct_layers is None:
-        args.distinct_layers = 8 if args.layers else 0
     floats = lambda s: [float(x) for x in s.split(",") if x]   # noqa: E731
     args.alphas, args.ks, args.batches = floats(args.alphas), [int(x) for x in floats(args.ks)], \
         [int(x) for x in floats(args.batches)]
@@ -304,8 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     doc["machine"]["ceilings"] = measure() if device.type == "cuda" else cpu_ceilings()
     t0 = time.perf_counter()
     dtype = BuildConfig(dtype=a.dtype).torch_dtype
-    raw, small = built_layers(a.preset, a.vocab, distinct=a.distinct_layers or None, dtype=dtype, device=device,
-                              seed=a.seed)
+    raw, small = built_layers(a.preset, a.vocab, distinct=a.distinct_layers, dtype=dtype, device=device, seed=a.seed)
     a.layers = a.layers or small.cfg.num_hidden_layers
     sync(device)
     cfg = small.cfg
