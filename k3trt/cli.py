@@ -12,6 +12,7 @@ from typing import Callable
 import click
 
 from k3trt import __version__
+from k3trt.engine.build_config import DTYPES, KV_DTYPES
 from k3trt.engine.capacities import CapacityError, parse_capacity_list
 from k3trt.model.presets import PRESETS
 
@@ -69,8 +70,8 @@ _capacity_list, _encoder_capacity_list = _capacities_of("verify"), _capacities_o
               help="largest prefill token capacity")
 @click.option("--spec-tokens", type=click.IntRange(0, 7), default=3, show_default=True,
               help="K: drafts verified per step (each verify row group is K+1 rows)")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--kv-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32", "fp8"]), default="auto",
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bf16", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default="auto",
               show_default=True, help="MLA cache dtype (auto: the model dtype); fp8 halves the "
               "cache's memory and is the faster path from batch 32 at 12 local heads (on the H200, "
               "1.5-1.6x the bf16 kernel's speed from 8K context; README)")
