@@ -139,13 +139,15 @@ def build_plugins_cmd(arch: str, force: bool) -> None:
 
 
 def rank_options(f):
-    """--tp/--dcp/--ep (checked against the engine dir's layout, which is what runs) and --rank-timeout."""
+    """--tp/--dcp/--ep (EngineDir.layout: a split engine dir's must match, an unsplit one runs what
+    they ask for) and --rank-timeout."""
     f = click.option("--rank-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="seconds a collective may take before a multi-rank engine stops with an error "
                      "(default: the runtime's, 300)")(f)
     for name, what in (("ep", "expert"), ("dcp", "decode-context"), ("tp", "tensor")):
         f = click.option(f"--{name}", type=click.IntRange(min=1), default=None,
-                         help=f"{what}-parallel ranks; must equal the engine dir's (default: read from it)")(f)
+                         help=f"{what}-parallel ranks: a split engine dir's own (default: read from it; others "
+                         "are refused), or any layout for an unsplit one (its checkpoint is sliced at load)")(f)
     return f
 
 
@@ -168,21 +170,24 @@ def _draft_engine_options(draft_vocab, draft_vocab_counts, adaptive_k) -> dict:
 
 
 def _rank_engine_options(engine_dir, tp, dcp, ep, rank_timeout) -> dict:
-    """Engine options for ENGINE_DIR's rank layout (read from its config.json), after checking that
-    --tp/--dcp/--ep match it and that a torchrun world has its size."""
+    """Engine options for the rank layout ENGINE_DIR runs with (EngineDir.layout: a split engine
+    dir's own, which --tp/--dcp/--ep must match; an unsplit one's from them), after checking that
+    a torchrun world has its size."""
     from k3trt.engine.engine_dir import read_engine_dir  # noqa: PLC0415 (heavy: torch)
     ed = read_engine_dir(engine_dir, verify_checksums=False)
-    ed.check_layout(tp=tp, dcp=dcp, ep=ep)
+    pc = ed.layout(tp=tp, dcp=dcp, ep=ep)
     world = os.environ.get("WORLD_SIZE")
-    if world is not None and "RANK" in os.environ and int(world) != ed.world_size:
-        raise ValueError(f"torchrun started {world} processes; {engine_dir} runs on {ed.world_size} "
-                         f"({ed.parallel_text()}): start torchrun with --nnodes x --nproc-per-node = {ed.world_size}")
+    if world is not None and "RANK" in os.environ and int(world) != pc.world_size:
+        raise ValueError(f"torchrun started {world} processes; {engine_dir} runs on {pc.world_size} "
+                         f"(tp={pc.tp} dcp={pc.dcp} ep={pc.ep}): start torchrun with --nnodes x --nproc-per-node = "
+                         f"{pc.world_size}")
+    opts = {k: v for k, v in dict(tp=tp, dcp=dcp, ep=ep).items() if v is not None and ed.world_size == 1}
     if rank_timeout is None:
-        return {}
-    if ed.world_size == 1:
+        return opts
+    if pc.world_size == 1:
         logging.getLogger(__name__).info("--rank-timeout: %s runs on one rank; ignored", engine_dir)
-        return {}
-    return {"rank_timeout_s": rank_timeout}
+        return opts
+    return {**opts, "rank_timeout_s": rank_timeout}
 
 
 def _torchrun_worker(engine_dir, device: str, options: dict) -> bool:

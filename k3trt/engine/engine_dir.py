@@ -106,16 +106,22 @@ class EngineDir:
                                  f"there is no rank {rank}")
         return self.path / f"rank{rank}"
 
-    def check_layout(self, **asked: int | None) -> None:
-        """Refuse run-time options (tp, dcp, ep, dcp_interleave; None: not given) that differ from
-        the layout the weights were split for: the rank dirs hold fixed slices."""
-        for name, value in asked.items():
-            built = getattr(self.parallel, name)
-            if value is not None and value != built:
+    def layout(self, **asked: int | None) -> ParallelConfig:
+        """The layout to run with run-time options (tp, dcp, ep, dcp_interleave; None: not given): a
+        split engine dir's own, and options that differ from it are refused (its rank dirs hold
+        fixed slices); an unsplit one runs any layout the options ask for (the loader slices the
+        whole checkpoint)."""
+        given = {k: v for k, v in asked.items() if v is not None}
+        if self.world_size == 1:
+            return ParallelConfig(**given)
+        for name, value in given.items():
+            if value != getattr(self.parallel, name):
+                flag = f"--{name.replace('_', '-')}"
                 raise EngineDirError(
-                    f"--{name.replace('_', '-')} {value}: {self.path} was built for {self.parallel_text()} (its rank "
-                    f"dirs hold those slices); drop --{name.replace('_', '-')}, or build an engine dir for this layout: "
-                    f"`k3trt build CHECKPOINT --output DIR --backend torch --{name.replace('_', '-')} {value} ...`")
+                    f"{flag} {value}: {self.path} was built for {self.parallel_text()} (its rank dirs hold those "
+                    f"slices); drop {flag}, or build an engine dir for this layout: "
+                    f"`k3trt build CHECKPOINT --output DIR --backend torch {flag} {value} ...`")
+        return self.parallel
 
     def parallel_text(self) -> str:
         pc = self.parallel

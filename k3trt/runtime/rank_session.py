@@ -67,18 +67,14 @@ def rank_weights_dir(ed: EngineDir, rank: int) -> Path:
 
 def parallel_config(ed: EngineDir | None, *, tp: int | None, dcp: int | None, ep: int | None,
                     dcp_interleave: int | None) -> ParallelConfig | None:
-    """The layout to run: the engine dir's when it was built split (``ed.parallel``), else the
-    options (the loader then slices the whole checkpoint); None for one process. Options that
-    contradict a split engine dir's layout are an error."""
-    asked = {k: v for k, v in dict(tp=tp, dcp=dcp, ep=ep, dcp_interleave=dcp_interleave).items() if v is not None}
-    built = getattr(ed, "parallel", None)
-    if built is not None and built.world_size > 1:
-        have = {f: getattr(built, f) for f in asked}
-        if have != asked:
-            raise ValueError(f"{ed.path} was built for {built}; the options ask for {asked}: drop them or rebuild")
-        pc = ParallelConfig(built.tp, built.dcp, built.ep, built.dcp_interleave)
+    """The layout to run (EngineDir.layout: a split engine dir's own, else the options'); None for
+    one process."""
+    asked = dict(tp=tp, dcp=dcp, ep=ep, dcp_interleave=dcp_interleave)
+    if ed is None:
+        pc = ParallelConfig(**{k: v for k, v in asked.items() if v is not None})
     else:
-        pc = ParallelConfig(**asked)
+        built = ed.layout(**asked)
+        pc = ParallelConfig(built.tp, built.dcp, built.ep, built.dcp_interleave)
     return pc if pc.world_size > 1 else None
 
 

@@ -173,8 +173,8 @@ def test_engine_dir_reads_and_verifies_rank_dirs(tp2ep2, variant_ckpt, tmp_path)
     with pytest.raises(EngineDirError, match="no rank 2"):
         ed.rank_path(2)
     with pytest.raises(EngineDirError, match=r"--tp 4: .*tp=2 dcp=1 ep=2"):
-        ed.check_layout(tp=4, ep=2)
-    ed.check_layout(tp=2, dcp=None, ep=2)
+        ed.layout(tp=4, ep=2)
+    assert ed.layout(tp=2, dcp=None, ep=2) == ed.layout() == ed.parallel
 
     copy = tmp_path / "engine"
     shutil.copytree(tp2ep2, copy)
@@ -247,3 +247,17 @@ def test_triton_repository_for_a_two_rank_engine(tp2ep2, tmp_path):
     assert "instance_group [ { count: 1 kind: KIND_CPU } ]" in (tmp_path / "cpu" / "k3" / "config.pbtxt").read_text()
     res = runner.invoke(main, ["triton-repo", str(tp2ep2), "-o", str(tmp_path / "two"), "--instances", "2"])
     assert res.exit_code != 0 and "one instance" in res.output and "2 ranks" in res.output
+
+
+def test_an_unsplit_engine_runs_the_layout_the_options_ask_for(tp2ep2, engine):
+    """The CLI and LLM decide the layout in one place (EngineDir.layout): an engine dir built
+    unsplit takes --tp/--dcp/--ep as asked (the loader slices the checkpoint), a split one its own."""
+    from k3trt.cli import _rank_engine_options  # noqa: PLC0415 (the CLI's mapping of the flags)
+    from k3trt.parallel.config import ParallelConfig  # noqa: PLC0415
+    from k3trt.runtime.rank_session import parallel_config  # noqa: PLC0415
+    assert _rank_engine_options(engine, 2, None, None, 30.0) == {"tp": 2, "rank_timeout_s": 30.0}
+    assert _rank_engine_options(engine, None, None, None, 30.0) == {}
+    assert _rank_engine_options(tp2ep2, 2, None, 2, 30.0) == {"rank_timeout_s": 30.0}
+    ed = read_engine_dir(engine, verify_checksums=False)
+    assert parallel_config(ed, tp=2, dcp=None, ep=2, dcp_interleave=None) == ParallelConfig(tp=2, ep=2)
+    assert ed.layout(dcp=2) == ParallelConfig(dcp=2)

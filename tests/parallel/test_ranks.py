@@ -8,6 +8,7 @@ layer, fp32). Rank 0 holds every per-request resource (blocks, slots, drafter st
 hold only fixed-size caches, so rank 0's leak check plus every worker's clean exit covers all ranks.
 """
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -296,8 +297,7 @@ def _alive(pid):
 def test_parallel_config_of_an_engine_dir_wins(engine):
     ed = read_engine_dir(engine, verify_checksums=False)
 
-    class Built:            # an engine dir that records its layout (EngineDir.parallel)
-        path, parallel = ed.path, ParallelConfig(tp=2, ep=2)
+    Built = dataclasses.replace(ed, parallel=ParallelConfig(tp=2, ep=2))     # as a split engine dir records it
     assert parallel_config(Built, tp=None, dcp=None, ep=None, dcp_interleave=None) == ParallelConfig(tp=2, ep=2)
     assert parallel_config(Built, tp=2, dcp=None, ep=None, dcp_interleave=None) == ParallelConfig(tp=2, ep=2)
     with pytest.raises(ValueError, match="was built for"):
