@@ -17,8 +17,8 @@ what k3trt delivers for a model whose drafts are accepted at rate α. One proces
              KDA state), so the MTP layer is K3's share of a step. A batch whose cache (every
              request at --max-seq-len, KDA states for K + 1 positions at the goals' K = 3) does not
              fit the device at that depth runs at the deepest that fits; its rows say so (``layers``)
-  engines    per depth, one plain, then one per K, each alone on the device with its cache sized
-             from need; a batch whose cache would pass --kv-cache-mb is skipped at that K with the
+  engines    per depth one plain, then per K one per depth, each alone on the device with its cache
+             sized from need; a batch whose cache would pass --kv-cache-mb is skipped at that K with the
              reason; the next engine checks the last one is gone and its memory returned
   plain      per batch, plain greedy decoding (CUDA graphs, the one-step-ahead launch): tokens/s,
              and the reference outputs; then the (batch, 1) graph replayed alone: decode ms
@@ -148,26 +148,28 @@ def plain_cases(run: Run, model, ps: dict, batches: list[int]) -> dict[int, dict
     return base
 
 
-def sweep(run: Run, model, ps: dict, base: dict[int, dict]) -> None:
-    a, cfg = run.args, model.cfg
-    oracle = OracleDrafter(cfg.vocab_size)
-    for b, row in base.items():
-        oracle.set_references(ps[b], row["outputs"])
-    host_sync: dict[int, float | None] = {}
+def sweep(run: Run, views: dict, ps: dict, bases: dict[int, dict]) -> None:
+    """Per K (in the order given), per depth: an engine with the oracle drafter over its batches."""
+    a, host_sync = run.args, {}
+    oracle = OracleDrafter(next(iter(views.values())).cfg.vocab_size)
+    for base in bases.values():
+        for b, row in base.items():
+            oracle.set_references(ps[b], row["outputs"])
     for k in a.ks:
-        if run.over_budget():
-            run.doc["errors"].append(f"K={k} ({cfg.num_hidden_layers} layers): past the {a.budget_s}s budget")
-            continue
-        batches = fitting_batches(run, cfg, k, list(base))
-        if not batches:
-            continue
-        try:
-            sweep_engine(run, model, oracle, k, batches, ps, base, host_sync)
-        except Exception as e:
-            log.error("K=%d engine: %s: %s", k, type(e).__name__, e)
-            run.doc["errors"].append(f"K={k} engine: {type(e).__name__}: {e}")
-        finally:
-            oracle.configure(alpha=1.0, cost=None)
+        for layers, model in views.items():
+            if run.over_budget():
+                run.doc["errors"].append(f"K={k} ({layers} layers): past the {a.budget_s}s budget")
+                continue
+            batches = fitting_batches(run, model.cfg, k, list(bases[layers]))
+            if not batches:
+                continue
+            try:
+                sweep_engine(run, model, oracle, k, batches, ps, bases[layers], host_sync)
+            except Exception as e:
+                log.error("K=%d engine (%d layers): %s: %s", k, layers, type(e).__name__, e)
+                run.doc["errors"].append(f"K={k} engine ({layers} layers): {type(e).__name__}: {e}")
+            finally:
+                oracle.configure(alpha=1.0, cost=None)
 
 
 def sweep_engine(run: Run, model, oracle: OracleDrafter, k: int, batches: list[int], ps: dict,
@@ -326,12 +328,12 @@ def main(argv: list[str] | None = None) -> dict:
         spec_breakdown.report(doc["breakdown"], doc["machine"]["ceilings"])
         return doc
     ps = {b: prompts(b, a.prompt_len, cfg.vocab_size, b) for b in a.batches}
-    for layers, batches in sorted(depths(run, raw, small).items(), reverse=True):
-        _, model = deep_view(raw, small, layers)
-        base = plain_cases(run, model, ps, batches)
-        sweep(run, model, ps, base)
-        del model
-        settle(run)
+    groups = sorted(depths(run, raw, small).items(), reverse=True)
+    views = {layers: deep_view(raw, small, layers)[1] for layers, _ in groups}     # no weight memory each
+    bases = {layers: plain_cases(run, views[layers], ps, batches) for layers, batches in groups}
+    sweep(run, views, ps, bases)
+    del views
+    settle(run)
     for c in doc["cases"]:
         c.pop("outputs", None)
     doc["goals"] = goals(doc["cases"])

@@ -276,3 +276,22 @@ def test_spec_benchmarks_gpu_smoke(tmp_path):
                str(tmp_path / "t.json"), timeout=600)
     cases = {c["name"]: c for c in json.loads((tmp_path / "t.json").read_text())["cases"]}
     assert all(c["tokens_per_s"] > 0 for c in cases.values()) and cases["mtp b1"]["drafted_tokens"] > 0
+
+
+def test_a_batch_whose_cache_does_not_fit_runs_at_the_deepest_that_does():
+    import spec_engines  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    import spec_speedup  # noqa: PLC0415
+    from deep_model import built_layers, deep_config  # noqa: PLC0415
+    a = spec_speedup.parse(["--device", "cpu", "--preset", "tiny", "--layers", "12", "--distinct-layers", "6",
+                            "--batches", "1,4"])
+    raw, small = built_layers("tiny", 512, distinct=6, dtype=torch.float32, device="cpu")
+    need = lambda layers, b: spec_engines.cache_plan(deep_config(raw, layers), a, 3, [b]).total_bytes  # noqa: E731
+    a.max_seq_len = 4096                               # MiBs of cache a layer at batch 4
+    a.kv_cache_mb = need(9, 4) >> 20                   # batch 1 fits 12 layers deep, batch 4 fewer
+    assert need(12, 1) <= a.kv_cache_mb << 20 < need(12, 4)
+    doc = {"cases": [], "errors": [], "notes": []}
+    got = spec_speedup.depths(spec_speedup.Run(a, doc), raw, small)
+    (deep, b1), (shallow, b4) = sorted(got.items(), reverse=True)
+    assert deep == 12 and b1 == [1] and 6 <= shallow < 12 and b4 == [4]
+    assert need(shallow, 4) <= a.kv_cache_mb << 20 < need(shallow + 1, 4)
+    assert doc["notes"] == [f"batch 4: {shallow} layers (the deepest whose cache fits at K=3), not 12"]
