@@ -17,8 +17,10 @@ pattern) so the kinds line up. The MTP layer, embeddings, head and vision tower 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from k3trt.config import ModelConfig
+from k3trt.model.fuse import fuse_projections_
 from k3trt.model.k3 import K3ForCausalLM
 from k3trt.model.loader import build_model
 from k3trt.model.presets import preset_config
@@ -82,6 +84,9 @@ def deep_view(raw: dict, small: K3ForCausalLM, layers: int) -> tuple[ModelConfig
         return cfg, small
     with torch.device("meta"):
         deep = K3ForCausalLM(cfg)
+    # the engine fuses projections (model/fuse.py) into new tensors: fused once here, on the built
+    # layers, and shared too, each view module then holds them and has nothing left to fuse
+    fuse_projections_(small)
     src = dict(small.named_modules())
     for name, mod in deep.named_modules():
         parts = name.split(".")
@@ -96,6 +101,9 @@ def deep_view(raw: dict, small: K3ForCausalLM, layers: int) -> tuple[ModelConfig
                 if t is not None and (u is None or u.shape != t.shape):
                     raise AssertionError(f"{name}.{key}: shape {tuple(t.shape)} against the built {u and tuple(u.shape)}")
                 getattr(mod, table)[key] = u
+        for key, v in vars(s).items():          # what fusing set: None, or absent, before it
+            if v is not None and not isinstance(v, (dict, nn.Module)) and vars(mod).get(key, None) is None:
+                setattr(mod, key, v)
     left = [n for n, t in [*deep.named_parameters(), *deep.named_buffers()] if t.is_meta]
     if left:
         raise AssertionError(f"tensors left unbuilt: {left[:5]}")

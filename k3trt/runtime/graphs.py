@@ -140,6 +140,19 @@ class StaticStep:
         return v["input_ids"], ctx
 
 
+def shift_packed(st: StaticStep, n: int, shift: torch.Tensor, block_size: int) -> None:
+    """Move the first n sequences of the packed step `shift` (int64 [n], on the device) rows further
+    into their context: positions and lengths grow, and each real row's cache slot is read again
+    from the block table at its new position (padding rows keep slot -1)."""
+    v, Q = st.views, st.layout.Q
+    pos = v["positions"].view(-1, Q)[:n]
+    pos += shift[:, None]
+    v["seq_lens"][:n] += shift
+    slots = v["slot_mapping"].view(-1, Q)[:n]
+    moved = v["block_table"][:n].gather(1, pos // block_size) * block_size + pos % block_size
+    slots.copy_(torch.where(slots >= 0, moved, slots))
+
+
 class GraphSession(TorchSession):
     """TorchSession whose uniform decode / verify steps replay captured graphs (module doc)."""
 
@@ -185,19 +198,6 @@ class GraphSession(TorchSession):
         st.hidden = self.model(ids, ctx, self.cache)
         st.logits = self.model.logits(st.hidden)
 
-    def _shift(self, st: StaticStep, n: int, shift: torch.Tensor) -> None:
-        """Move the first n sequences of the packed step `shift` rows further into their context:
-        positions and lengths grow, and each real row's cache slot is read again from the block
-        table at its new position (padding rows keep slot -1)."""
-        v, Q, bs = st.views, st.layout.Q, self.plan.block_size
-        pos = v["positions"].view(-1, Q)[:n]
-        pos += shift[:, None]
-        v["seq_lens"][:n] += shift
-        slots = v["slot_mapping"].view(-1, Q)[:n]
-        table = v["block_table"][:n]
-        moved = table.gather(1, pos // bs) * bs + pos % bs
-        slots.copy_(torch.where(slots >= 0, moved, slots))
-
     # ---------------------------------------------------------------------------------- steps
     def encode_images(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         if self._encoder is None:
@@ -236,7 +236,7 @@ class GraphSession(TorchSession):
             ids = device_ids.view(n, -1)
             st.views["input_ids"].view(-1, st.layout.Q)[:n, :ids.shape[1]].copy_(ids)
         if shift is not None:
-            self._shift(st, n, shift)
+            shift_packed(st, n, shift, self.plan.block_size)
         short = [i for i, n in enumerate(batch.q_lens) if n < st.layout.Q]
         if short:       # index tensors made now: a copy to the device after the replay would wait for it
             short = torch.stack([batch.kda_slots[short], torch.tensor(batch.q_lens)[short] - 1])

@@ -34,11 +34,16 @@ from k3trt.runtime.speculative.drafter import Drafter
 from k3trt.runtime.speculative.mtp import MTPDrafter
 
 
-def draft_argmax(head: DraftHead, g: torch.Tensor) -> torch.Tensor:
-    """The greedy draft ids of normed rows g over the drafter's head (its reduced vocabulary's
-    columns mapped back to ids), on the device."""
-    col = head(g).argmax(-1)
+def head_ids(head: DraftHead, logits: torch.Tensor) -> torch.Tensor:
+    """The greedy draft ids of logits over the drafter's head's columns (a reduced vocabulary's
+    mapped back to ids), on the device."""
+    col = logits.argmax(-1)
     return col if head.ids is None else head.ids[col]
+
+
+def draft_argmax(head: DraftHead, g: torch.Tensor) -> torch.Tensor:
+    """The greedy draft ids of normed rows g over the drafter's head."""
+    return head_ids(head, head(g))
 
 
 class MTPAhead(Drafter):
@@ -94,61 +99,87 @@ class MTPAhead(Drafter):
             st, L = d.seqs.get(r.request_id), len(r.token_ids)
             if st is None or st.hidden is None or st.known < L - 1 or st.valid >= L - 1:
                 continue
-            if not d.blocks.grow(st.blocks, L - 1 + Q + K, d.block_size):
+            if not d.blocks.grow(st.blocks, L - 1 + Q + K - st.base, d.block_size):
                 continue
             live.append((b, r, st, L - 1 - st.valid))
         if not live:
             return out
-        bs, dev = d.block_size, d.device
-        steps = [SeqStep(list(r.token_ids[st.valid + 1:]) + [0] * Q, st.valid, st.blocks, 0) for _, r, st, _ in live]
+        dev, n_live = d.device, len(live)
+        # positions count from each state's base (its window after a prefix-cache resume), as on the host
+        steps = [SeqStep(list(r.token_ids[st.valid + 1:]) + [0] * Q, st.valid - st.base, st.blocks, 0)
+                 for _, r, st, _ in live]
         starts = [0]
         for s in steps:
             starts.append(starts[-1] + len(s.tokens))
-        # host-known indices first, in one pinned copy: the device rows of step 0, each request's
-        # batch row, its first device row, its N drafts (padded), its committed length
+        # host-known values in one pinned copy: the device rows of step 0 (in step order), each
+        # request's batch row, its first device row within its sequence, its N drafts (padded), its
+        # committed length less its base, its sequence's first row in step order
         rows = [starts[i] + mh + j for i, (_, _, _, mh) in enumerate(live) for j in range(Q)]
         drafts = [(r.drafts + [0] * Q)[:Q] for _, r, _, _ in live]
-        meta = to_device(rows + [b for b, *_ in live] + [starts[i] + mh for i, (*_, mh) in enumerate(live)]
-                         + [t for row in drafts for t in row] + [len(r.token_ids) for _, r, _, _ in live], dev)
-        n_live = len(live)
-        at = 0
-
-        def take(n: int) -> torch.Tensor:
-            nonlocal at
-            at += n
-            return meta[at - n:at]
-        dev_rows, bidx, first, nd = take(n_live * Q), take(n_live), take(n_live), take(n_live * Q).view(n_live, Q)
-        length = take(n_live)
+        meta = to_device(rows + [b for b, *_ in live] + [mh for *_, mh in live] + [t for row in drafts for t in row]
+                         + [len(r.token_ids) - st.base for _, r, st, _ in live] + starts[:-1], dev)
+        dev_rows, bidx, mh, nd, length, first = meta.split([n_live * Q, n_live, n_live, n_live * Q, n_live, n_live])
         n, bon = num_accepted[bidx], bonus[bidx]
-        j = torch.arange(Q, device=dev)
-        toks = torch.where(j[None] < n[:, None], nd, bon[:, None])
+        toks = torch.where(torch.arange(Q, device=dev)[None] < n[:, None], nd.view(n_live, Q), bon[:, None])
         with torch.inference_mode():
-            ids, ctx = step_context(steps, bs, dev)
-            ids = ids.index_copy(0, dev_rows, toks.reshape(-1))
             wd = m.lm_head.weight.dtype
-            prev = torch.cat([t for (b, _, st, mh) in live
-                              for t in (st.hidden[:mh].to(wd), m.model.norm(hidden[b].to(dev)).to(wd))])
-            layer = m.model.layers[d.idx]
-            h = layer(m.model.embed_tokens(ids), prev, ctx, d.cache)
-            g = layer.shared_head.norm(h[first + n])
-            tok = draft_argmax(d.draw.head, g)
-            drafts_out = [tok]
-            if K > 1:
-                width = max(len(st.blocks) for _, _, st, _ in live)
-                table = to_device([x for _, _, st, _ in live for x in st.blocks + [0] * (width - len(st.blocks))],
-                                  dev).view(n_live, width)
-                pos0 = length - 1 + n
-                for step in range(1, K):
-                    pos = pos0 + step
-                    slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-                    c = StepContext((1,) * n_live, (0,) * n_live, slots, table.to(torch.int32),
-                                    torch.zeros(n_live, dtype=torch.int64, device=dev), dev_positions=pos,
-                                    dev_seq_lens=(pos + 1).to(torch.int32),
-                                    dev_fresh=torch.zeros(n_live, dtype=torch.bool, device=dev))
-                    h = layer(m.model.embed_tokens(tok), g.to(wd), c, d.cache)
-                    g = layer.shared_head.norm(h)
-                    tok = draft_argmax(d.draw.head, g)
-                    drafts_out.append(tok)
+            prev = torch.cat([t for (b, _, st, h) in live
+                              for t in (st.hidden[:h].to(wd), m.model.norm(hidden[b].to(dev)).to(wd))])
+            step0 = (steps, prev, dev_rows, toks.reshape(-1), mh + n)
+            chain = [SeqStep([0], len(r.token_ids) - st.base, st.blocks, 0) for _, r, st, _ in live]
+            run = self._graphs if d.graphs is not None and d.graphs.fits(steps) and d.graphs.fits(chain) \
+                else self._eager
+            drafts_out = run(step0, chain, n, length, K, first)
             out = out.index_copy(0, bidx, torch.stack(drafts_out, 1))
         self.ahead.update(r.request_id for _, r, _, _ in live)
         return out
+
+    def _graphs(self, step0, chain, n, length, K, first) -> list[torch.Tensor]:
+        """Step 0 and the chained steps as the drafter's graphs (mtp_graphs.py): packed on the host as
+        if nothing were accepted, then the device's ids, output rows and shifts written in."""
+        g_, head = self.inner.graphs, self.inner.draw.head
+        steps, prev, dev_rows, toks, last = step0
+        key = g_.fits(steps)
+        g_.pack(key, steps)
+        g, logits = g_.replay(key, len(steps), prev, ids=(dev_rows, toks), last=last)
+        tok = head_ids(head, logits)
+        drafts = [tok]
+        if K > 1:
+            key = g_.fits(chain)
+            g_.pack(key, chain)                       # draft 1's position as if n were 0
+            at = torch.arange(len(chain), device=n.device)
+            for step in range(1, K):
+                g, logits = g_.replay(key, len(chain), g, ids=(at, tok), shift=n if step == 1 else torch.ones_like(n))
+                tok = head_ids(head, logits)
+                drafts.append(tok)
+        return drafts
+
+    def _eager(self, step0, chain, n, length, K, first) -> list[torch.Tensor]:
+        """The same steps run eagerly (no graphs, or a step wider than every graph)."""
+        d, m = self.inner, self.inner.model
+        steps, prev, dev_rows, toks, last = step0
+        bs, dev, n_live = d.block_size, d.device, len(steps)
+        layer = m.model.layers[d.idx]
+        ids, ctx = step_context(steps, bs, dev)
+        ids = ids.index_copy(0, dev_rows, toks)
+        h = layer(m.model.embed_tokens(ids), prev, ctx, d.cache)
+        g = layer.shared_head.norm(h[first + last])
+        tok = draft_argmax(d.draw.head, g)
+        drafts = [tok]
+        if K > 1:
+            width = max(len(s.blocks) for s in steps)
+            table = to_device([x for s in steps for x in list(s.blocks) + [0] * (width - len(s.blocks))],
+                              dev).view(n_live, width)
+            pos0 = length - 1 + n
+            for step in range(1, K):
+                pos = pos0 + step
+                slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+                c = StepContext((1,) * n_live, (0,) * n_live, slots, table.to(torch.int32),
+                                torch.zeros(n_live, dtype=torch.int64, device=dev), dev_positions=pos,
+                                dev_seq_lens=(pos + 1).to(torch.int32),
+                                dev_fresh=torch.zeros(n_live, dtype=torch.bool, device=dev))
+                h = layer(m.model.embed_tokens(tok), g.to(prev.dtype), c, d.cache)
+                g = layer.shared_head.norm(h)
+                tok = draft_argmax(d.draw.head, g)
+                drafts.append(tok)
+        return drafts

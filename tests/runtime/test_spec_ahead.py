@@ -206,20 +206,23 @@ def test_mtp_drafts_on_the_device_as_on_the_host(engine, reference):
         assert all(h[c][:len(d[c])] == d[c][:len(h[c])] for c in common), rid
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static_steps"])
 @pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "draft_vocab"])
 @pytest.mark.parametrize("n", [0, 1, 2, 3])
-def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n, reduced):
+def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n, reduced, graphs):
     """The same MTP state and verify step on two drafters: the device's drafts from (n, bonus, the
     step's hidden rows) equal the host's after it commits drafts[:n] + [bonus], and both then go on
     drafting alike (the hand-over moves the device-drafted one's bookkeeping to the host's); with a
-    reduced draft vocabulary both score only its ids."""
+    reduced draft vocabulary both score only its ids; the device's steps run as the drafter's static
+    (graph) steps, its inputs written in on the device, or eagerly."""
     cfg, model = tiny_model
     g = torch.Generator().manual_seed(n)
     H = cfg.hidden_size
     x = torch.randint(1, 1000, (11,), generator=g).tolist()
     hid = torch.randn(len(x) + 16, H, generator=g)
     ids = torch.randperm(cfg.vocab_size, generator=g)[:cfg.vocab_size // 8] if reduced else None
-    drafters = [MTPDrafter(model, cfg, k_max=K, max_live=2, max_model_len=64, draft_vocab=ids) for _ in range(2)]
+    drafters = [MTPDrafter(model, cfg, k_max=K, max_live=2, max_model_len=64, draft_vocab=ids, graphs=graphs)
+                for _ in range(2)]
     host, dev = drafters[0], MTPAhead(drafters[1])
     for d in (host, dev):                    # prompt handed over, one token sampled, drafts for step N
         d.on_hidden("r", 0, hid[:len(x) - 1])
@@ -228,7 +231,9 @@ def test_mtp_device_drafts_equal_host_drafts_after_n_accepted(tiny_model, n, red
     V = torch.randn(K + 1, H, generator=g)   # step N's rows: [x[-1], *drafts]
     bonus = int(torch.randint(1, 1000, (1,), generator=g))
     req = SimpleNamespace(request_id="r", token_ids=x, drafts=drafts)
+    static = drafters[1].stats().get("static_steps", 0)
     got = dev.propose_on_device([req], torch.tensor([bonus]), V[None], torch.tensor([n]), [K])[0].tolist()
+    assert drafters[1].stats().get("static_steps", 0) - static == (K if graphs else 0)     # step 0 + K - 1 chained
     kept = drafts[:n] + [bonus]
     x2 = x + kept
     for d in (host, dev):                    # N's commit

@@ -30,7 +30,7 @@ from k3trt.engine.capacities import power_of_two_capacities
 from k3trt.model.context import StepContext
 from k3trt.model.mla import ABSORBED_MAX_Q
 from k3trt.runtime.engine import Seq, make_batch
-from k3trt.runtime.graphs import Layout, StaticStep
+from k3trt.runtime.graphs import Layout, StaticStep, shift_packed
 from k3trt.runtime.cuda_graph import capture
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,12 @@ class MTPGraphs:
         """(g [n, H], logits [n, N]) at each sequence's last row, for `steps` and their previous
         hiddens prev [T, H] (rows in step order). The outputs are views of static buffers, valid
         until the next run of the same shape."""
-        st, buf = self.steps[key], self.prev[key]
-        n = len(steps)
+        self.pack(key, steps)
+        return self.replay(key, len(steps), prev)
+
+    def pack(self, key: tuple[int, int], steps: Sequence) -> None:
+        """Write `steps` (their host-known part) into the (S, Q) step's device buffer."""
+        st = self.steps[key]
         batch = make_batch([Seq(list(s.tokens), s.ctx_len, list(s.blocks), 0, 1) for s in steps], self.block_size,
                            capacity=key[0])
         if st.copied is not None:
@@ -83,7 +87,25 @@ class MTPGraphs:
         st.dev.copy_(st.host, non_blocking=True)
         if st.copied is not None:
             st.copied.record()
-        buf[st.views["rows"][:batch.num_tokens]] = prev.to(buf.dtype)
+        st.num_tokens = batch.num_tokens
+
+    def replay(self, key: tuple[int, int], n: int, prev: torch.Tensor, *,
+               ids: tuple[torch.Tensor, torch.Tensor] | None = None, last: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the packed step of n sequences with inputs the host has not seen (all on the device,
+        read without waiting): ids = (token indices in step order int64 [m], their ids [m]) over the
+        packed ids; last: int64 [n], the row of each sequence whose output is taken (default its last
+        packed row); shift: int64 [n], rows each sequence's context grew by since it was packed
+        (graphs.shift_packed). The outputs are views of static buffers, as run's."""
+        st, buf = self.steps[key], self.prev[key]
+        v = st.views
+        buf[v["rows"][:st.num_tokens]] = prev.to(buf.dtype)
+        if ids is not None:
+            v["input_ids"][v["rows"][ids[0]]] = ids[1]
+        if last is not None:
+            v["logit_rows"][:n] = torch.arange(n, device=last.device) * st.layout.Q + last
+        if shift is not None:
+            shift_packed(st, n, shift, self.block_size)
         self.stats["graph" if st.graph is not None else "static"] += 1
         with torch.inference_mode():
             if st.graph is not None:
