@@ -17,6 +17,12 @@ rewrites from ``valid`` before reading there, as the drafter's own chained entri
 hidden rows are handed over (on_hidden, at N's commit), ``valid`` moves to len - 2, as the
 drafter's own propose would have left it. Greedy drafts only (spec_ahead launches greedy requests),
 scored over the drafter's head: its reduced draft vocabulary where it has one, as on the host.
+
+Where the drafter has step graphs (mtp_graphs.py) that hold the steps, both run as replays: packed
+on the host as if nothing were accepted, the device's ids, output rows (first + n) and position
+shifts (n, then 1 a chained step) written into the static buffers before each replay, so the launch
+queues behind step N without waiting for it. Otherwise they run eagerly, and the eager step's host
+copies (its context made from host lists) wait for N.
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def test_spec_speedup_cpu_smoke(tmp_path):
         assert c["tokens_per_s"] > 0 and "outputs" not in c
     for c in spec:
         assert c["exact"] and c["held"] and c["run"] == 1 and c["diverged"] == c["differ_from_plain"] == 0
-        assert c["verify_ms"] > 0 and c["ideal_speedup"] > 0 and c["layers"] == 4
+        assert c["verify_ms"] > 0 and c["ideal_speedup"] > 0 and c["speedup_at_alpha"] > 0 and c["layers"] == 4
         assert c["ahead_share"] > 0.5          # verify steps launched ahead, the oracle drafting on the device
         if c["alpha"] == 1.0:
             assert c["alpha_measured"] == 1.0
