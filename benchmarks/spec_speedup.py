@@ -252,7 +252,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--kv-cache-mb", type=int, default=None,
                     help="cap on each engine's exactly sized cache (default: free memory after the model less "
                          "--reserve-mb); a batch whose cache exceeds it at some K is skipped there and says so")
-    ap.add_argument("--reserve-mb", type=int, default=8192, help="left free for graphs, activations, the MTP drafter")
+    ap.add_argument("--reserve-mb", type=int, default=16384,
+                    help="left free for graphs, activations (batch 32 prefills 4K tokens), the MTP drafter")
     ap.add_argument("--budget-s", type=int, default=None,
                     help="skip cases that would start after this (default 450, --quick 120)")
     ap.add_argument("--reruns", type=int, default=3, help="runs again of a case whose requests left their reference")
