@@ -13,6 +13,7 @@ from PIL import Image
 
 from k3trt.builder.build import build_engine
 from k3trt.model.context import ModelCache, StepContext
+from k3trt.runtime.params import SamplingParams
 
 BLOCK = 16
 
@@ -61,6 +62,31 @@ def assert_released(llm) -> None:
     if hasattr(d, "free_slots"):      # a draft model: every slot and cache block back
         assert len(d.free_slots) == llm.config.max_batch
         assert len(d.blocks.free) == next(iter(d.cache.mla.values())).shape[0]
+
+
+def arrival_and_abort_while_ahead(llm, ps: list[list[int]], want: list[list[int]], max_tokens: list[int],
+                                  warm_steps: int) -> None:
+    """Requests 0 and 3 run `warm_steps` steps, until a step is launched ahead of the host's commit;
+    then request 2 arrives and 3 is aborted while the launched step holds its rows: 0 and 2 give
+    `want`, 3 ends as an abort, and nothing leaks."""
+    ids, done = {}, {}
+
+    def collect(outs):
+        done.update({ids[o.request_id]: o for o in outs if o.finished})
+
+    ids[llm.add_request(ps[0], SamplingParams(max_tokens=max_tokens[0]))] = 0
+    ids[victim := llm.add_request(ps[3], SamplingParams(max_tokens=max_tokens[3]))] = 3
+    for _ in range(warm_steps):
+        collect(llm.step())
+    assert llm.loop.lookahead.launched is not None       # a step launched on the device's verdict
+    ids[llm.add_request(ps[2], SamplingParams(max_tokens=max_tokens[2]))] = 2   # arrives mid-flight
+    llm.abort(victim)                                    # ends while the launched step holds its rows
+    while llm.has_unfinished():
+        collect(llm.step())
+    assert done[0].token_ids == want[0] and done[2].token_ids == want[2]
+    assert done[3].finish_reason == "abort"
+    assert llm.stats()["launched_ahead"] > 0
+    assert_released(llm)
 
 
 def prompts(seed: int, lengths: list[int], vocab: int = 120000) -> list[list[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from runtime_utils import assert_released, prompts
+from runtime_utils import arrival_and_abort_while_ahead, assert_released, prompts
 
 from k3trt.runtime import lookahead
 from k3trt.runtime.llm import LLM
@@ -57,26 +57,7 @@ def test_ahead_equals_synchronous(engine, reference, prefix_caching):
 def test_arrivals_and_abort_while_a_step_is_ahead(engine, reference):
     ps, want = reference
     llm = LLM(engine, verify_checksums=False, cuda_graphs=True, prefix_caching=False)
-    ids, done = {}, {}
-
-    def collect(outs):
-        for o in outs:
-            if o.finished:
-                done[ids[o.request_id]] = o
-
-    ids[llm.add_request(ps[0], SamplingParams(max_tokens=MAX_TOKENS[0]))] = 0
-    ids[victim := llm.add_request(ps[3], SamplingParams(max_tokens=MAX_TOKENS[3]))] = 3
-    for _ in range(4):
-        collect(llm.step())
-    assert llm.loop.lookahead.launched is not None   # decoding, one step launched ahead
-    ids[llm.add_request(ps[2], SamplingParams(max_tokens=MAX_TOKENS[2]))] = 2   # arrives mid-flight
-    llm.abort(victim)                             # ends while the launched step holds its row
-    while llm.has_unfinished():
-        collect(llm.step())
-    assert done[0].token_ids == want[0] and done[2].token_ids == want[2]
-    assert done[3].finish_reason == "abort"
-    assert llm.stats()["launched_ahead"] > 0
-    assert_released(llm)
+    arrival_and_abort_while_ahead(llm, ps, want, MAX_TOKENS, warm_steps=4)     # decoding, one step ahead
 
 
 def test_a_failed_launch_ahead_loses_nothing(engine, reference, monkeypatch):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runtime_utils import assert_released, prompts
+from runtime_utils import arrival_and_abort_while_ahead, assert_released, prompts
 
 from k3trt.runtime import spec_ahead
 from k3trt.runtime.llm import LLM
@@ -97,23 +97,7 @@ def test_overlapped_speculation_equals_plain_greedy(engine, reference, prefix_ca
 def test_arrivals_and_abort_while_a_verify_step_is_ahead(engine, reference):
     ps, want = reference
     llm = spec_llm(engine, reference, prefix_caching=False)
-    ids, done = {}, {}
-
-    def collect(outs):
-        done.update({ids[o.request_id]: o for o in outs if o.finished})
-
-    ids[llm.add_request(ps[0], SamplingParams(max_tokens=MAX_TOKENS[0]))] = 0
-    ids[victim := llm.add_request(ps[3], SamplingParams(max_tokens=MAX_TOKENS[3]))] = 3
-    for _ in range(3):
-        collect(llm.step())
-    assert llm.loop.lookahead.launched is not None     # a verify step launched on the device's verdict
-    ids[llm.add_request(ps[2], SamplingParams(max_tokens=MAX_TOKENS[2]))] = 2   # arrives mid-flight
-    llm.abort(victim)                                  # ends while the launched step holds its rows
-    while llm.has_unfinished():
-        collect(llm.step())
-    assert done[0].token_ids == want[0] and done[2].token_ids == want[2]
-    assert done[3].finish_reason == "abort"
-    assert_released(llm)
+    arrival_and_abort_while_ahead(llm, ps, want, MAX_TOKENS, warm_steps=3)     # a verify step ahead
 
 
 def test_all_drafts_rejected_and_a_failed_launch(engine, reference, monkeypatch):
