@@ -1,10 +1,12 @@
-"""Helpers for model tests: a step context over a simple contiguous block layout."""
+"""Helpers for model tests: a step context over a simple contiguous block layout, a vision encoder
+with random weights."""
 
 from __future__ import annotations
 
 import torch
 
 from k3trt.model.context import StepContext
+from k3trt.model.vision import VisionConfig, VisionEncoder
 
 BLOCK = 16
 MAX_BLOCKS = 8          # per sequence: up to 128 tokens
@@ -22,3 +24,14 @@ def step_ctx(q_lens, ctx_lens, *, save_kda_states=False, slots=None) -> StepCont
 
 def num_blocks(num_seqs: int) -> int:
     return num_seqs * MAX_BLOCKS
+
+
+def random_vision_encoder(cfg: VisionConfig) -> VisionEncoder:
+    """An fp32 encoder of `cfg` with seeded random weights (norm weights near 1, so activations stay
+    in range through the layers)."""
+    torch.manual_seed(0)
+    enc = VisionEncoder(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+    return enc

@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
+from model_utils import random_vision_encoder
 import torch
 import transformers
 from PIL import Image
@@ -43,12 +44,7 @@ GRIDS = {
 
 @pytest.fixture(scope="module")
 def encoder():
-    torch.manual_seed(0)
-    enc = VisionEncoder(VC).float().eval()
-    with torch.no_grad():
-        for name, p in enc.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-    return enc
+    return random_vision_encoder(VC)
 
 
 def hf_modules(enc: VisionEncoder):

@@ -5,10 +5,11 @@ capacity holds run eagerly; through the runtime, an image prompt under cuda_grap
 from __future__ import annotations
 
 import pytest
+from model_utils import random_vision_encoder
 import torch
 from runtime_utils import png
 
-from k3trt.model.vision import VisionConfig, VisionEncoder
+from k3trt.model.vision import VisionConfig
 from k3trt.runtime.encoder_graphs import IMAGE_SLOTS, EncoderGraphs
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
@@ -27,12 +28,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def encoder():
-    torch.manual_seed(0)
-    enc = VisionEncoder(VC).float().eval()
-    with torch.no_grad():
-        for name, p in enc.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-    return enc
+    return random_vision_encoder(VC)
 
 
 def _poison(graphs: EncoderGraphs) -> None:
