@@ -68,17 +68,23 @@ def test_oracle_accepts_at_its_rate(tiny_model, plain_run, alpha, ahead):
         assert abs(oracle.alpha_measured - alpha) < 0.15, (oracle.alpha_measured, oracle.evaluated)
 
 
-def test_a_case_reruns_requests_that_left_their_reference(tiny_model, plain_run):
-    """A reference that leaves greedy at token 10 (as a bf16 argmax flip would): the first run stops
-    drafting there; the rerun takes that run's output as the reference and drafts to the end."""
-    import spec_cases  # noqa: PLC0415 (benchmarks/ on sys.path above)
+def off_reference(tiny_model, plain_run):
+    """(prompts, plain outputs, references that leave them at token 10, as a bf16 argmax flip would,
+    the oracle at α 1 on those, a K = 3 engine drafting with it)."""
     cfg, model = tiny_model
     prompts, ref = plain_run
     off = [r[:10] + [(t + 1) % cfg.vocab_size for t in r[10:]] for r in ref]
     oracle = OracleDrafter(cfg.vocab_size)
     oracle.set_references(prompts, off)
     oracle.configure(alpha=1.0)
-    llm = engine(model, k=3, drafter=oracle)
+    return prompts, ref, off, oracle, engine(model, k=3, drafter=oracle)
+
+
+def test_a_case_reruns_requests_that_left_their_reference(tiny_model, plain_run):
+    """A reference that leaves greedy at token 10 (as a bf16 argmax flip would): the first run stops
+    drafting there; the rerun takes that run's output as the reference and drafts to the end."""
+    import spec_cases  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    prompts, ref, _, oracle, llm = off_reference(tiny_model, plain_run)
     r = spec_cases.measure_case(llm, oracle, prompts, {"tokens_per_s": 1.0, "outputs": ref}, 3, 1.0, 40, reruns=2)
     assert r["reruns"] == 1 and r["run"] == 2 and r["held"] and r["diverged"] == 0
     assert r["exact"] and r["differ_from_plain"] == 0
@@ -91,13 +97,7 @@ def test_a_run_off_its_reference_is_not_at_alpha_and_says_so(tiny_model, plain_r
     in α measured; converging the references first makes the case's first run hold."""
     import spec_cases  # noqa: PLC0415 (benchmarks/ on sys.path above)
     import spec_report  # noqa: PLC0415
-    cfg, model = tiny_model
-    prompts, ref = plain_run
-    off = [r[:10] + [(t + 1) % cfg.vocab_size for t in r[10:]] for r in ref]
-    oracle = OracleDrafter(cfg.vocab_size)
-    oracle.set_references(prompts, off)
-    oracle.configure(alpha=1.0)
-    llm = engine(model, k=3, drafter=oracle)
+    prompts, ref, off, oracle, llm = off_reference(tiny_model, plain_run)
     base = {"tokens_per_s": 1.0, "outputs": ref}
     r = spec_cases.measure_case(llm, oracle, prompts, base, 3, 1.0, 40, reruns=0)
     assert r["run"] == 1 and not r["held"] and r["diverged"] == len(prompts)
