@@ -35,21 +35,8 @@ from k3trt.model.context import StepContext
 from k3trt.runtime.request import Request
 from k3trt.runtime.spec_ahead import to_device
 from k3trt.runtime.speculative.draft_model import SeqStep, step_context
-from k3trt.runtime.speculative.draft_vocab import DraftHead
 from k3trt.runtime.speculative.drafter import Drafter
 from k3trt.runtime.speculative.mtp import MTPDrafter
-
-
-def head_ids(head: DraftHead, logits: torch.Tensor) -> torch.Tensor:
-    """The greedy draft ids of logits over the drafter's head's columns (a reduced vocabulary's
-    mapped back to ids), on the device."""
-    col = logits.argmax(-1)
-    return col if head.ids is None else head.ids[col]
-
-
-def draft_argmax(head: DraftHead, g: torch.Tensor) -> torch.Tensor:
-    """The greedy draft ids of normed rows g over the drafter's head."""
-    return head_ids(head, head(g))
 
 
 class MTPAhead(Drafter):
@@ -133,36 +120,37 @@ class MTPAhead(Drafter):
                               for t in (st.hidden[:h].to(wd), m.model.norm(hidden[b].to(dev)).to(wd))])
             step0 = (steps, prev, dev_rows, toks.reshape(-1), mh + n)
             chain = [SeqStep([0], len(r.token_ids) - st.base, st.blocks, 0) for _, r, st, _ in live]
-            run = self._graphs if d.graphs is not None and d.graphs.fits(steps) and d.graphs.fits(chain) \
-                else self._eager
-            drafts_out = run(step0, chain, n, length, K, first)
+            keys = (d.graphs.fits(steps), d.graphs.fits(chain)) if d.graphs is not None else (None, None)
+            drafts_out = self._graphs(step0, chain, keys, n, K) if None not in keys \
+                else self._eager(step0, n, length, K, first)
             out = out.index_copy(0, bidx, torch.stack(drafts_out, 1))
         self.ahead.update(r.request_id for _, r, _, _ in live)
         return out
 
-    def _graphs(self, step0, chain, n, length, K, first) -> list[torch.Tensor]:
-        """Step 0 and the chained steps as the drafter's graphs (mtp_graphs.py): packed on the host as
-        if nothing were accepted, then the device's ids, output rows and shifts written in."""
+    def _graphs(self, step0, chain, keys, n, K) -> list[torch.Tensor]:
+        """Step 0 and the chained steps as the drafter's graphs (mtp_graphs.py; keys: their (S, Q)):
+        packed on the host as if nothing were accepted, then the device's ids, output rows and
+        shifts written in."""
         g_, head = self.inner.graphs, self.inner.draw.head
         steps, prev, dev_rows, toks, last = step0
-        key = g_.fits(steps)
+        key = keys[0]
         g_.pack(key, steps)
         g, logits = g_.replay(key, len(steps), prev, ids=(dev_rows, toks), last=last)
-        tok = head_ids(head, logits)
+        tok = head.full_ids(logits.argmax(-1))
         drafts = [tok]
         if K > 1:
-            key = g_.fits(chain)
+            key = keys[1]
             g_.pack(key, chain)                       # draft 1's position as if n were 0
-            at = torch.arange(len(chain), device=n.device)
+            at, one = torch.arange(len(chain), device=n.device), torch.ones_like(n)
             for step in range(1, K):
-                g, logits = g_.replay(key, len(chain), g, ids=(at, tok), shift=n if step == 1 else torch.ones_like(n))
-                tok = head_ids(head, logits)
+                g, logits = g_.replay(key, len(chain), g, ids=(at, tok), shift=n if step == 1 else one)
+                tok = head.full_ids(logits.argmax(-1))
                 drafts.append(tok)
         return drafts
 
-    def _eager(self, step0, chain, n, length, K, first) -> list[torch.Tensor]:
+    def _eager(self, step0, n, length, K, first) -> list[torch.Tensor]:
         """The same steps run eagerly (no graphs, or a step wider than every graph)."""
-        d, m = self.inner, self.inner.model
+        d, m, head = self.inner, self.inner.model, self.inner.draw.head
         steps, prev, dev_rows, toks, last = step0
         bs, dev, n_live = d.block_size, d.device, len(steps)
         layer = m.model.layers[d.idx]
@@ -170,7 +158,7 @@ class MTPAhead(Drafter):
         ids = ids.index_copy(0, dev_rows, toks)
         h = layer(m.model.embed_tokens(ids), prev, ctx, d.cache)
         g = layer.shared_head.norm(h[first + last])
-        tok = draft_argmax(d.draw.head, g)
+        tok = head.full_ids(head(g).argmax(-1))
         drafts = [tok]
         if K > 1:
             width = max(len(s.blocks) for s in steps)
@@ -186,6 +174,6 @@ class MTPAhead(Drafter):
                                 dev_fresh=torch.zeros(n_live, dtype=torch.bool, device=dev))
                 h = layer(m.model.embed_tokens(tok), g.to(prev.dtype), c, d.cache)
                 g = layer.shared_head.norm(h)
-                tok = draft_argmax(d.draw.head, g)
+                tok = head.full_ids(head(g).argmax(-1))
                 drafts.append(tok)
         return drafts

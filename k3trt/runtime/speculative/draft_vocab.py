@@ -136,6 +136,10 @@ class DraftHead:
     def full_id(self, col: int) -> int:
         return col if self.ids is None else self.id_list[col]
 
+    def full_ids(self, cols: torch.Tensor) -> torch.Tensor:
+        """full_id on the device: the ids of columns int64 [...]."""
+        return cols if self.ids is None else self.ids[cols]
+
     def columns(self, full: torch.Tensor) -> torch.Tensor:
         """Per-id values [..., V] -> the head's columns [..., size] (e.g. a grammar's allowed ids)."""
         return full if self.ids is None else full[..., self.ids]
