@@ -52,6 +52,7 @@ class MTPGraphs:
         self.steps: dict[tuple[int, int], StaticStep] = {}
         self.prev: dict[tuple[int, int], torch.Tensor] = {}
         self.out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.packed: dict[tuple[int, int], int] = {}      # tokens of the step last packed per shape
         for S in self.capacities:
             for Q in range(1, min(k_max + 2, ABSORBED_MAX_Q) + 1):    # wider steps take MLA's naive form
                 self.steps[S, Q] = StaticStep(Layout(S, Q, max_blocks), device)
@@ -87,7 +88,7 @@ class MTPGraphs:
         st.dev.copy_(st.host, non_blocking=True)
         if st.copied is not None:
             st.copied.record()
-        st.num_tokens = batch.num_tokens
+        self.packed[key] = batch.num_tokens
 
     def replay(self, key: tuple[int, int], n: int, prev: torch.Tensor, *,
                ids: tuple[torch.Tensor, torch.Tensor] | None = None, last: torch.Tensor | None = None,
@@ -99,7 +100,7 @@ class MTPGraphs:
         (graphs.shift_packed). The outputs are views of static buffers, as run's."""
         st, buf = self.steps[key], self.prev[key]
         v = st.views
-        buf[v["rows"][:st.num_tokens]] = prev.to(buf.dtype)
+        buf[v["rows"][:self.packed[key]]] = prev.to(buf.dtype)
         if ids is not None:
             v["input_ids"][v["rows"][ids[0]]] = ids[1]
         if last is not None:
