@@ -146,7 +146,7 @@ class OracleDrafter(Drafter):
             start.record()
         if self.cost is not None:
             self.cost.propose_on_device(reqs, bonus, hidden, num_accepted, k)    # for its time
-        tracks = [self._track(r.request_id, r.token_ids[:len(r.token_ids) - r.num_output]) for r in reqs]
+        tracks = [self._track(r.request_id, r.token_ids) for r in reqs]
         if self.table is None or self.table.shape[0] < len(self.rows):
             width = max(len(d) for d in self.rows)
             self.table = to_device([x for d in self.rows for x in d + [0] * (width - len(d))], dev).view(-1, width)
