@@ -47,7 +47,8 @@ def drive(llm: LLM, ps: list[list[int]], max_tokens: int, *, speculate: bool = T
         times.append(time.perf_counter() - t0)
     sync(llm.session.device)
     tokens, wall = sum(len(outs[r].token_ids) for r in ids) - before, sum(times)
-    return {"launched_ahead": llm.stats()["launched_ahead"] - ahead0, "decode_tokens": tokens, "decode_steps": len(times), "decode_s": round(wall, 5),
+    return {"launched_ahead": llm.stats()["launched_ahead"] - ahead0,
+            "decode_tokens": tokens, "decode_steps": len(times), "decode_s": round(wall, 5),
             "tokens_per_s": round(tokens / wall, 2) if wall else None,
             "step_ms": round(wall * 1e3 / len(times), 4) if times else None,
             "tokens_per_step": round(tokens / len(times) / len(ids), 3) if times else None,   # per request
