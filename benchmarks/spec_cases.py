@@ -9,6 +9,7 @@ import torch
 from harness import best_s, median_ms
 from oracle import OracleDrafter
 from roofline import Sizes, roofline
+from spec_report import speedup_at_alpha
 
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
@@ -128,10 +129,7 @@ def measure_case(llm: LLM, oracle: OracleDrafter, ps: list, base: dict, k: int, 
     r["draft_ms_per_step"] = round(draft_s * 1e3 / r["decode_steps"], 4) if r["decode_steps"] else None
     r["ahead_share"] = round(r["launched_ahead"] / r["decode_steps"], 3) if r["decode_steps"] else None
     r["expected_tokens_per_step"] = round(expected_tokens(alpha, k), 3)
-    # a short run's drafts are accepted at a rate near α, not at it: its step cost with the tokens
-    # per step α sets (plain decoding: one per step) is the speedup at α itself
-    r["speedup_at_alpha"] = ratio(r["expected_tokens_per_step"] * base["step_ms"], r["step_ms"]) \
-        if base.get("step_ms") and r["step_ms"] else None
+    r["speedup_at_alpha"] = speedup_at_alpha(r["expected_tokens_per_step"], base.get("step_ms"), r["step_ms"])
     return r
 
 

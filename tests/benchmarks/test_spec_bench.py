@@ -295,3 +295,14 @@ def test_a_batch_whose_cache_does_not_fit_runs_at_the_deepest_that_does():
     assert deep == 12 and b1 == [1] and 6 <= shallow < 12 and b4 == [4]
     assert need(shallow, 4) <= a.kv_cache_mb << 20 < need(shallow + 1, 4)
     assert doc["notes"] == [f"batch 4: {shallow} layers (the deepest whose cache fits at K=3), not 12"]
+
+
+def test_a_record_rederives_the_speedup_at_alpha_and_the_goals_from_its_measurements():
+    import spec_report  # noqa: PLC0415 (benchmarks/ on sys.path above)
+    spec = {"name": "K3 b1 mtp a0.8", "kind": "spec", "spec_tokens": 3, "batch": 1, "cost": "mtp", "alpha": 0.8,
+            "expected_tokens_per_step": 2.952, "step_ms": 94.3, "speedup": 2.62, "held": True}
+    doc = {"cases": [{"name": "plain b1", "kind": "plain", "batch": 1, "step_ms": 78.6}, spec]}
+    spec_report.rederive(doc)
+    assert spec["speedup_at_alpha"] == round(2.952 * 78.6 / 94.3, 3) < 2.5 < spec["speedup"]
+    g = doc["goals"]["b1_K3_a0.8_mtp_2.5x"]
+    assert not g["met"] and g["speedup_at_alpha"] == spec["speedup_at_alpha"] and g["speedup"] == 2.62
