@@ -15,6 +15,9 @@ Layouts (public: the runtime, the builder and the plugins rely on them):
   KDA conv window:           [num_slots, 3 · heads · head_dim, kernel - 1] (q|k|v channels, oldest first)
   KDA step states:           [num_slots, max_q, ...] the state after each of a step's positions,
                               kept when ``save_kda_states`` (speculative verification rolls back to one)
+  ModelCache.allocate lays each of these out once for every KDA layer, layer first (``KDAStack``),
+  and each layer's tensors are views of it: a rollback or slot copy over all layers is then a few
+  kernels (K3's 70 KDA layers took 280 small ones a verify step, each on the critical path).
 """
 
 from __future__ import annotations
@@ -91,12 +94,57 @@ class KDALayerCache:
 
 
 @dataclass
+class KDAStack:
+    """Every KDA layer's tensors of one kind in one tensor, layer first: [layers, num_slots, ...]."""
+    state: torch.Tensor
+    conv: torch.Tensor
+    step_state: torch.Tensor | None = None
+    step_conv: torch.Tensor | None = None
+
+    def layer(self, j: int) -> KDALayerCache:
+        return KDALayerCache(self.state[j], self.conv[j], None if self.step_state is None else self.step_state[j],
+                             None if self.step_conv is None else self.step_conv[j])
+
+
+# bound on a rollback's gathered states: restore_kda goes through the layers in groups under it
+RESTORE_CHUNK_BYTES = 256 << 20
+
+
+@dataclass
 class ModelCache:
     """Every cache tensor of one model instance, indexed by layer number."""
     block_size: int
     mla: dict[int, torch.Tensor] = field(default_factory=dict)        # layer -> [blocks, bs, D]
     kda: dict[int, KDALayerCache] = field(default_factory=dict)       # layer -> state tensors
     kv_scale: float = 1.0
+    kda_stack: KDAStack | None = None     # what the kda entries are views of, in their order
+
+    def restore_kda(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """KDA slot ``slots[i]`` <- its state after position ``positions[i]`` of the last step that
+        saved per-position states, in every KDA layer (int64 device tensors; distinct slots)."""
+        st = self.kda_stack
+        with torch.inference_mode():
+            if st is None:
+                for layer in self.kda.values():
+                    layer.state[slots] = layer.step_state[slots, positions]
+                    layer.conv[slots] = layer.step_conv[slots, positions]
+                return
+            per_layer = slots.numel() * (st.state[0, 0].nbytes + st.conv[0, 0].nbytes)
+            group = max(1, RESTORE_CHUNK_BYTES // max(per_layer, 1))
+            for a in range(0, st.state.shape[0], group):
+                st.state[a:a + group, slots] = st.step_state[a:a + group, slots, positions]
+                st.conv[a:a + group, slots] = st.step_conv[a:a + group, slots, positions]
+
+    def copy_kda(self, src: int, dst: int) -> None:
+        """KDA slot ``dst`` <- slot ``src``, in every KDA layer."""
+        with torch.inference_mode():
+            if self.kda_stack is not None:
+                self.kda_stack.state[:, dst].copy_(self.kda_stack.state[:, src])
+                self.kda_stack.conv[:, dst].copy_(self.kda_stack.conv[:, src])
+                return
+            for layer in self.kda.values():
+                layer.state[dst].copy_(layer.state[src])
+                layer.conv[dst].copy_(layer.conv[src])
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,
@@ -110,16 +158,19 @@ class ModelCache:
         la = cfg.linear_attn_config
         conv_dim, k = 3 * la.num_heads * la.head_dim, la.short_conv_kernel_size
         cache = cls(block_size=block_size, kv_scale=kv_scale)
-        for i in layers if layers is not None else range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-            if cfg.is_kda(i):
-                shape = (num_slots, la.num_heads, la.head_dim, la.head_dim)
-                cache.kda[i] = KDALayerCache(
-                    state=torch.zeros(shape, dtype=torch.float32, device=device),
-                    conv=torch.zeros(num_slots, conv_dim, k - 1, dtype=dtype, device=device),
-                    step_state=torch.zeros(num_slots, max_q, *shape[1:], device=device) if max_q else None,
-                    step_conv=torch.zeros(num_slots, max_q, conv_dim, k - 1, dtype=dtype, device=device)
-                    if max_q else None)
-            else:
+        layers = list(layers if layers is not None else range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
+        kda = [i for i in layers if cfg.is_kda(i)]
+        if kda:
+            shape = (len(kda), num_slots, la.num_heads, la.head_dim, la.head_dim)
+            conv = (len(kda), num_slots, conv_dim, k - 1)
+            cache.kda_stack = KDAStack(
+                state=torch.zeros(shape, dtype=torch.float32, device=device),
+                conv=torch.zeros(conv, dtype=dtype, device=device),
+                step_state=torch.zeros(*shape[:2], max_q, *shape[2:], device=device) if max_q else None,
+                step_conv=torch.zeros(*conv[:2], max_q, *conv[2:], dtype=dtype, device=device) if max_q else None)
+            cache.kda = {i: cache.kda_stack.layer(j) for j, i in enumerate(kda)}
+        for i in layers:
+            if not cfg.is_kda(i):
                 cache.mla[i] = torch.zeros(num_blocks, block_size, cfg.mla_cache_dim,
                                            dtype=kv_dtype or dtype, device=device)
         return cache

@@ -161,20 +161,14 @@ class TorchSession(EngineSession):
         return self._forward(batch, device_ids)
 
     def copy_kda(self, pairs: list[tuple[int, int]]) -> None:
-        with torch.inference_mode():
-            # one pair at a time, in order: a later pair may read a slot an earlier one wrote
-            for src, dst in pairs:
-                for layer in self.cache.kda.values():
-                    layer.state[dst].copy_(layer.state[src])
-                    layer.conv[dst].copy_(layer.conv[src])
+        # one pair at a time, in order: a later pair may read a slot an earlier one wrote
+        for src, dst in pairs:
+            self.cache.copy_kda(src, dst)
 
     def rollback_kda(self, slots: list[int], positions: list[int]) -> None:
         self._restore_kda(torch.tensor(slots, device=self.device), torch.tensor(positions, device=self.device))
 
     def _restore_kda(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """KDA slot `slots[i]` <- its state after position `positions[i]` of the last verify step."""
-        with torch.inference_mode():
-            for layer in self.cache.kda.values():
-                layer.state[slots] = layer.step_state[slots, positions]
-                layer.conv[slots] = layer.step_conv[slots, positions]
+        self.cache.restore_kda(slots, positions)
 

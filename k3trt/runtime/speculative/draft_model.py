@@ -238,10 +238,7 @@ class DraftModelDrafter(Drafter):
     def _rollback(self, st: _DraftSeq, committed: Sequence[int]) -> None:
         """Keep the fed drafts that `committed` confirms (see module doc), restore that KDA state."""
         m = min(common_prefix(st.fed, committed), max(len(committed) - 1, 0))
-        with torch.inference_mode():
-            for layer in self.cache.kda.values():
-                layer.state[st.slot] = layer.step_state[st.slot, m]
-                layer.conv[st.slot] = layer.step_conv[st.slot, m]
+        self.cache.restore_kda(torch.tensor([st.slot], device=self.device), torch.tensor([m], device=self.device))
         st.cached += m
         st.fed = []
 
