@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import torch
-from harness import best_s, median_ms
+from harness import Progress, best_s, median_ms
 from oracle import OracleDrafter
 from roofline import Sizes, roofline
 from spec_report import speedup_at_alpha
+from step_trace import trace_steps
 
 from k3trt.runtime.llm import LLM
 from k3trt.runtime.params import SamplingParams
@@ -54,6 +55,17 @@ def drive(llm: LLM, ps: list[list[int]], max_tokens: int, *, speculate: bool = T
             "step_ms": round(wall * 1e3 / len(times), 4) if times else None,
             "tokens_per_step": round(tokens / len(times) / len(ids), 3) if times else None,   # per request
             "outputs": [list(outs[r].token_ids) for r in ids]}
+
+
+def profile_case(llm: LLM, ps: list[list[int]], max_tokens: int, steps: int) -> dict:
+    """step_trace.trace_steps over runs of the prompts as the case last ran them: where the GPU waits."""
+    def start():
+        prog = Progress(llm, ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=True))
+        prog.prefill()
+        for _ in range(2):         # the pipeline launching ahead again
+            prog.step()
+        return prog.step, prog.decode
+    return trace_steps(start, steps)
 
 
 def step_ms(llm: LLM, batch: int, q: int) -> float | None:

@@ -32,6 +32,9 @@ what k3trt delivers for a model whose drafts are accepted at rate α. One proces
              proposal, host or device, with its hidden-state hand-over, its tokens discarded; its
              reduced draft vocabulary, --mtp-draft-vocab, and CUDA graphs on host proposals).
              After each batch the (batch, K+1) verify graph replayed alone: verify ms
+  profile    per batch and K, its first case traced again over --profile-steps steps (step_trace.py):
+             GPU busy and idle ms a step, the idle put down to the function that launched the work
+             ending each gap, the kernels outside CUDA graphs, the host's waits on the device
 
 Columns: draft ms per token (host proposals: wall time, device work synchronised; device
 proposals: CUDA-event time of the cost drafter and the lookup), verify ms and its ratio to decode
@@ -68,9 +71,11 @@ import torch
 from deep_model import built_layers, deep_config, deep_view
 from harness import cpu_ceilings, machine, measure, record, write_json
 from oracle import OracleDrafter
-from spec_cases import converge, drive, finish_row, hidden_ms, measure_case, minus, ratio, roofline_ms, step_ms, sync
+from spec_cases import (converge, drive, finish_row, hidden_ms, measure_case, minus, profile_case, ratio, roofline_ms,
+                        step_ms, sync)
 from spec_engines import cache_plan, engine, fitting_batches, mtp_drafter, settle
 from spec_report import goals, plot, report
+from step_trace import report_trace
 
 from k3trt.engine.build_config import BuildConfig
 from k3trt.runtime.llm import LLM
@@ -205,6 +210,13 @@ def sweep_batches(run: Run, model, llm: LLM, oracle: OracleDrafter, k: int, batc
                                cost=cost, alpha=alpha, layers=layers)
                 if row and "error" not in row:
                     rows.append(row)
+                    if a.profile_steps and len(rows) == 1:      # the batch's first case: the goals' own
+                        try:
+                            row["profile"] = profile_case(llm, ps[b], a.max_tokens, a.profile_steps)
+                            report_trace(row["name"], row["profile"], ceil)
+                        except Exception as e:          # the trace is an aid: its failure costs no case
+                            log.error("%s profile: %s: %s", row["name"], type(e).__name__, e)
+                            row["profile"] = {"error": f"{type(e).__name__}: {e}"}
         verify, roof = step_ms(llm, b, k + 1), roofline_ms(a, ceil, model, b, k + 1)
         for row in rows:            # the verify step alone, as the batch last ran it
             finish_row(row, verify, base[b]["decode_ms"], host_sync[b])
@@ -263,6 +275,8 @@ def parse(argv: list[str] | None):
                     help="the MTP drafter's reduced vocabulary (0: the full head)")
     ap.add_argument("--mtp-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="the MTP drafter's CUDA graphs on host proposals (default: on CUDA)")
+    ap.add_argument("--profile-steps", type=int, default=6,
+                    help="steps traced (step_trace.py) in each batch's first case per K: where the GPU waits (0: off)")
     ap.add_argument("--breakdown", action="store_true", help="verify vs decode per op at batch 1 (spec_breakdown.py)")
     ap.add_argument("--breakdown-k", type=int, default=3)
     ap.add_argument("--breakdown-ctx", type=int, default=256, help="cached tokens before the profiled step")

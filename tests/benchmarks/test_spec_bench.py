@@ -189,6 +189,10 @@ def test_spec_speedup_cpu_smoke(tmp_path):
         assert c["ahead_share"] > 0.5          # verify steps launched ahead, the oracle drafting on the device
         if c["alpha"] == 1.0:
             assert c["alpha_measured"] == 1.0
+    profiled = [c for c in spec if "profile" in c]       # each batch's first case per K, traced again
+    assert sorted((c["spec_tokens"], c["batch"], c["cost"], c["alpha"]) for c in profiled) == \
+        [(k, b, "mtp", 0.8) for k in (1, 3) for b in (1, 4)]
+    assert all(c["profile"]["steps"] == 6 and c["profile"]["step_ms"] > 0 for c in profiled)
     assert set(doc["goals"]) == {"b1_K3_a0.8_mtp_2.5x", "b1_K3_a1.0_mtp_3.2x", "b32_K3_a0.8_mtp_1.5x",
                                  "b1_K3_verify_within_1.1x_decode"}
 
