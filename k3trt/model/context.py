@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3trt.config import ModelConfig
+from k3trt.plugins.kda_restore import kda_restore
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,6 @@ class KDAStack:
                              None if self.step_conv is None else self.step_conv[j])
 
 
-# bound on a rollback's gathered states: restore_kda goes through the layers in groups under it
-RESTORE_CHUNK_BYTES = 256 << 20
-
-
 @dataclass
 class ModelCache:
     """Every cache tensor of one model instance, indexed by layer number."""
@@ -129,11 +126,8 @@ class ModelCache:
                     layer.state[slots] = layer.step_state[slots, positions]
                     layer.conv[slots] = layer.step_conv[slots, positions]
                 return
-            per_layer = slots.numel() * (st.state[0, 0].nbytes + st.conv[0, 0].nbytes)
-            group = max(1, RESTORE_CHUNK_BYTES // max(per_layer, 1))
-            for a in range(0, st.state.shape[0], group):
-                st.state[a:a + group, slots] = st.step_state[a:a + group, slots, positions]
-                st.conv[a:a + group, slots] = st.step_conv[a:a + group, slots, positions]
+            kda_restore(st.state, st.step_state, slots, positions)
+            kda_restore(st.conv, st.step_conv, slots, positions)
 
     def copy_kda(self, src: int, dst: int) -> None:
         """KDA slot ``dst`` <- slot ``src``, in every KDA layer."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import k3trt.model.context as context
 from k3trt.config import ModelConfig
 from k3trt.model.context import ModelCache
 from k3trt.model.presets import preset_config
+from k3trt.plugins import kda_restore
 
 SLOTS, MAX_Q = 5, 4
 
@@ -39,7 +39,7 @@ def test_layer_tensors_are_views_of_the_stack():
 @pytest.mark.parametrize("chunk", [1 << 62, 1])       # every layer at once; one layer per group
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_restore_equals_the_layer_by_layer_rollback(monkeypatch, chunk, dtype):
-    monkeypatch.setattr(context, "RESTORE_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(kda_restore, "RESTORE_CHUNK_BYTES", chunk)
     cache = _filled(dtype)
     want = _per_layer(cache)
     slots, positions = torch.tensor([3, 0, 4]), torch.tensor([2, 0, 3])
