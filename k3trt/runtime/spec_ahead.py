@@ -151,19 +151,28 @@ def launch(session: GraphSession, drafter: DeviceDrafter, cache: CacheManager, p
     Q = max(len(r.drafts) for r in reqs) + 1
     index = [[rw.row0 + min(j, rw.num - 1) for j in range(Q)] for rw in out.rows]
     drafts = [r.drafts + [0] * (Q - 1 - len(r.drafts)) for r in reqs]
-    meta = to_device([x for row in index for x in row] + [x for row in drafts for x in row]
-                     + [len(r.drafts) for r in reqs] + [r.kda_slot for r in reqs], dev)
+    # N's hidden rows as index_d picks its logits rows, within the rows' hidden tensors end to end:
+    # one index in the pinned copy (a Python list as an index is a pageable copy, which waits for
+    # the device to finish step N)
+    want_hidden = getattr(drafter, "needs_hidden", False) and all(rw.hidden is not None for rw in out.rows)
+    starts = [0]
+    for rw in out.rows if want_hidden else ():
+        starts.append(starts[-1] + rw.hidden.shape[0])
+    hidden_index = [at + min(j, rw.num - 1) for at, rw in zip(starts, out.rows) for j in range(Q)] if want_hidden else []
     B = len(reqs)
-    index_d, drafts_d = meta[:B * Q].view(B, Q), meta[B * Q:B * (2 * Q - 1)].view(B, Q - 1)
-    nd_d, slots_d = meta[B * (2 * Q - 1):B * 2 * Q], meta[B * 2 * Q:]
+    meta = to_device([x for row in index for x in row] + [x for row in drafts for x in row]
+                     + [len(r.drafts) for r in reqs] + [r.kda_slot for r in reqs] + hidden_index, dev)
+    index_d, drafts_d, nd_d, slots_d, hidden_d = meta.split([B * Q, B * (Q - 1), B, B, len(hidden_index)])
+    index_d, drafts_d = index_d.view(B, Q), drafts_d.view(B, Q - 1)
     argmax = out.logits.argmax(-1)
     chosen = HostCopy(argmax)
     n, bonus = accept_on_device(argmax[index_d], drafts_d, nd_d)
     if Q > 1:
         session._restore_kda(slots_d, n)
     hidden = None
-    if getattr(drafter, "needs_hidden", False) and all(rw.hidden is not None for rw in out.rows):
-        hidden = torch.stack([rw.hidden[[min(j, rw.num - 1) for j in range(Q)]] for rw in out.rows])
+    if want_hidden:
+        kept = out.rows[0].hidden if B == 1 else torch.cat([rw.hidden for rw in out.rows])
+        hidden = kept[hidden_d].view(B, Q, -1)
     ids = bonus[:, None]
     if max(k) > 0:
         new = drafter.propose_on_device(reqs, bonus, hidden, n, k)
