@@ -5,12 +5,13 @@ and each idle gap put down to the code that launched the work ending it.
     profile = trace_steps(start, steps=8)   # start() -> (step, finish): a fresh run, warmed up
     report_trace("K3 b1", profile)
 
-Two passes, each over `steps` steps of its own fresh run (a run of fixed length may not last both). The first, with no Python stacks, gives the figures: the window
-is the first step's start to the last one's end on the host clock; busy is the union of kernel,
-copy and memset intervals in it; idle the rest. The second records Python stacks (which slow the
-host), only to name the k3trt or benchmark function that launched the kernel after each idle gap
-of the first pass's kind, matched by the gap's place in its step. On the CPU there is no device
-trace: the record says so and holds the host figures alone.
+Two passes, each over `steps` steps of its own fresh run (a run of fixed length may not last both).
+The first, with no Python stacks, gives the figures: the window is the first step's start to the
+end of the last work the steps launched (the host's clock and the device's, as the trace aligns
+them); busy is the union of the kernels, copies and memsets the steps launched; idle the rest. The
+second records Python stacks (which slow the host), only to name the k3trt or benchmark function
+that launched the kernel after each idle gap of the first pass's kind, matched by the gap's place
+in its step. On the CPU there is no device trace: the record says so and holds the host figures alone.
 """
 
 from __future__ import annotations
@@ -78,11 +79,14 @@ def _gaps(events: list[dict]) -> tuple[dict, list[dict]]:
                    key=lambda e: e["ts"])
     if not steps:
         return {}, []
-    lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
-    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    lo, host_end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
     runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
-    busy = _union([(max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in gpu
-                   if e["ts"] + e["dur"] > lo and e["ts"] < hi])
+    # the steps' own device work: what they launched (a step launched ahead runs past the host's end)
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS
+                  and lo <= runtime.get(e.get("args", {}).get("correlation"), {}).get("ts", -1) <= host_end),
+                 key=lambda e: e["ts"])
+    hi = max([host_end] + [e["ts"] + e["dur"] for e in gpu])
+    busy = _union([(max(e["ts"], lo), e["ts"] + e["dur"]) for e in gpu if e["ts"] + e["dur"] > lo])
     gaps, last = [], lo
     for a, b in busy:
         if a - last > GAP_US:

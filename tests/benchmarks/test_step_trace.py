@@ -51,3 +51,15 @@ def test_busy_idle_and_what_ran_outside_graphs():
     assert [(g["kernel"], g["us"], g["launch"], g["step"]) for g in gaps] == \
         [("index_kernel", 20, "cudaLaunchKernel", 0), ("gemm", 20, "cudaGraphLaunch", 1),
          ("index_kernel", 30, "cudaLaunchKernel", 1)]
+
+
+def test_work_launched_in_the_steps_counts_past_the_hosts_end_and_earlier_work_does_not():
+    ev = _trace() + [_x("cuda_runtime", "cudaLaunchKernel", 150, 1, correlation=50),
+                     _x("kernel", "ahead", 210, 20, correlation=50),          # launched ahead: 210-230
+                     _x("cuda_runtime", "cudaLaunchKernel", -30, 1, correlation=60),
+                     _x("kernel", "before", -20, 15, correlation=60)]       # launched before the steps
+    fig, gaps = _gaps(ev)
+    busy_us = 40 + 5 + 10 + 60 + 5 + 20
+    assert fig["step_ms"] == pytest.approx(0.115)                  # the window ends at 230
+    assert fig["gpu_busy_ms"] == pytest.approx(busy_us / 2 / 1e3)
+    assert ("ahead", 15) in [(g["kernel"], g["us"]) for g in gaps] and "before" not in str(fig)
