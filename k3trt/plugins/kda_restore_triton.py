@@ -23,7 +23,7 @@ BLOCK = 4096     # elements per program: K3's 64·128·128 fp32 state row is 256
 @triton.jit
 def _restore_kernel(state_ptr, step_ptr, slots_ptr, pos_ptr, B, num_slots, max_q, row, BLOCK: tl.constexpr):
     lb = tl.program_id(0)
-    layer, b = lb // B, lb % B
+    layer, b = (lb // B).to(tl.int64), lb % B      # int64 offsets: K3's step states pass 2^31 elements
     slot = tl.load(slots_ptr + b)
     pos = tl.load(pos_ptr + b)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

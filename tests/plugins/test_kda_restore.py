@@ -97,7 +97,8 @@ def test_unsupported_calls_say_why():
 # ----------------------------------------------------------------------------- GPU
 K3_STATE, K3_CONV = (64, 128, 128), (3 * 64 * 128, 3)
 GPU_CASES = [Case(L, slots, 4, row, B, dtype) for L, slots, B in ((6, 4, 1), (2, 36, 32), (3, 20, 17))
-             for row, dtype in ((K3_STATE, F32), (K3_CONV, BF16))]
+             for row, dtype in ((K3_STATE, F32), (K3_CONV, BF16))] \
+    + [Case(16, 36, 4, K3_STATE, 8, F32)]      # step states of 2.4e9 elements: offsets past int32
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
