@@ -28,6 +28,7 @@ from harness import print_table
 from torch.profiler import ProfilerActivity, profile, record_function
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 SYNC = re.compile(r"Synchronize|cudaMemcpy$|cudaMemcpy[^A]|cudaStreamWaitEvent")
 OWN = re.compile(r"(k3trt|benchmarks)/")
 GAP_US = 10.0           # shorter gaps are a launch's own latency, not the device waiting
@@ -80,7 +81,8 @@ def _gaps(events: list[dict]) -> tuple[dict, list[dict]]:
     if not steps:
         return {}, []
     lo, host_end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
-    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    # launches: the runtime API's, and the driver API's (Triton launches through cuLaunchKernel)
+    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") in LAUNCH_CATS and "args" in e}
     # the steps' own device work: what they launched (a step launched ahead runs past the host's end)
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATS
                   and lo <= runtime.get(e.get("args", {}).get("correlation"), {}).get("ts", -1) <= host_end),

@@ -57,9 +57,12 @@ def test_work_launched_in_the_steps_counts_past_the_hosts_end_and_earlier_work_d
     ev = _trace() + [_x("cuda_runtime", "cudaLaunchKernel", 150, 1, correlation=50),
                      _x("kernel", "ahead", 210, 20, correlation=50),          # launched ahead: 210-230
                      _x("cuda_runtime", "cudaLaunchKernel", -30, 1, correlation=60),
-                     _x("kernel", "before", -20, 15, correlation=60)]       # launched before the steps
+                     _x("kernel", "before", -20, 15, correlation=60),       # launched before the steps
+                     _x("cuda_driver", "cuLaunchKernel", 160, 1, correlation=70),
+                     _x("kernel", "triton", 170, 10, correlation=70)]       # a driver-API launch (Triton)
     fig, gaps = _gaps(ev)
-    busy_us = 40 + 5 + 10 + 60 + 5 + 20
+    busy_us = 40 + 5 + 10 + 60 + 5 + 20 + 10
+    assert {r["kernel"] for r in fig["outside_graphs"]} == {"index_kernel", "Memcpy HtoD", "ahead", "triton"}
     assert fig["step_ms"] == pytest.approx(0.115)                  # the window ends at 230
     assert fig["gpu_busy_ms"] == pytest.approx(busy_us / 2 / 1e3)
     assert ("ahead", 15) in [(g["kernel"], g["us"]) for g in gaps] and "before" not in str(fig)
