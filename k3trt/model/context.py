@@ -16,8 +16,8 @@ Layouts (public: the runtime, the builder and the plugins rely on them):
   KDA step states:           [num_slots, max_q, ...] the state after each of a step's positions,
                               kept when ``save_kda_states`` (speculative verification rolls back to one)
   ModelCache.allocate lays each of these out once for every KDA layer, layer first (``KDAStack``),
-  and each layer's tensors are views of it: a rollback or slot copy over all layers is then a few
-  kernels (K3's 70 KDA layers took 280 small ones a verify step, each on the critical path).
+  and each layer's tensors are views of it, so a rollback or slot copy over all layers is a few
+  kernels (per-layer tensors need 4 a layer: 280 for K3's 70 KDA layers, each on the critical path).
 """
 
 from __future__ import annotations
