@@ -238,7 +238,10 @@ class DraftModelDrafter(Drafter):
     def _rollback(self, st: _DraftSeq, committed: Sequence[int]) -> None:
         """Keep the fed drafts that `committed` confirms (see module doc), restore that KDA state."""
         m = min(common_prefix(st.fed, committed), max(len(committed) - 1, 0))
-        self.cache.restore_kda(torch.tensor([st.slot], device=self.device), torch.tensor([m], device=self.device))
+        with torch.inference_mode():    # one slot, host ints: basic indexing, no copy to the device
+            for layer in self.cache.kda.values():
+                layer.state[st.slot] = layer.step_state[st.slot, m]
+                layer.conv[st.slot] = layer.step_conv[st.slot, m]
         st.cached += m
         st.fed = []
 
