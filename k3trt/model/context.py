@@ -116,29 +116,28 @@ class ModelCache:
     kv_scale: float = 1.0
     kda_stack: KDAStack | None = None     # what the kda entries are views of, in their order
 
+    def _stack(self, what: str) -> KDAStack | None:
+        if self.kda_stack is None and self.kda:
+            raise ValueError(f"ModelCache.{what}: this cache's KDA layers are not stacked; allocate it with "
+                             "ModelCache.allocate, which lays them out as one KDAStack")
+        return self.kda_stack
+
     def restore_kda(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """KDA slot ``slots[i]`` <- its state after position ``positions[i]`` of the last step that
         saved per-position states, in every KDA layer (int64 device tensors; distinct slots)."""
-        st = self.kda_stack
-        with torch.inference_mode():
-            if st is None:
-                for layer in self.kda.values():
-                    layer.state[slots] = layer.step_state[slots, positions]
-                    layer.conv[slots] = layer.step_conv[slots, positions]
-                return
-            kda_restore(st.state, st.step_state, slots, positions)
-            kda_restore(st.conv, st.step_conv, slots, positions)
+        st = self._stack("restore_kda")
+        if st is not None:
+            with torch.inference_mode():
+                kda_restore(st.state, st.step_state, slots, positions)
+                kda_restore(st.conv, st.step_conv, slots, positions)
 
     def copy_kda(self, src: int, dst: int) -> None:
         """KDA slot ``dst`` <- slot ``src``, in every KDA layer."""
-        with torch.inference_mode():
-            if self.kda_stack is not None:
-                self.kda_stack.state[:, dst].copy_(self.kda_stack.state[:, src])
-                self.kda_stack.conv[:, dst].copy_(self.kda_stack.conv[:, src])
-                return
-            for layer in self.kda.values():
-                layer.state[dst].copy_(layer.state[src])
-                layer.conv[dst].copy_(layer.conv[src])
+        st = self._stack("copy_kda")
+        if st is not None:
+            with torch.inference_mode():
+                st.state[:, dst].copy_(st.state[:, src])
+                st.conv[:, dst].copy_(st.conv[:, src])
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,

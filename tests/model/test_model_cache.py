@@ -61,3 +61,12 @@ def test_copy_moves_one_slot_in_every_layer_and_leaves_the_rest():
     for got, exp in zip(_per_layer(cache), want):
         for g, e in zip(got, exp):
             assert torch.equal(g, e)
+
+
+def test_an_unstacked_cache_is_refused_with_the_remedy():
+    layer = _filled(torch.float32).kda_stack.layer(0)
+    cache = ModelCache(block_size=16, kda={1: layer})          # as export.model_cache builds one
+    with pytest.raises(ValueError, match="not stacked.*ModelCache.allocate"):
+        cache.restore_kda(torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="not stacked"):
+        cache.copy_kda(0, 1)
