@@ -117,8 +117,7 @@ class MTPAhead(Drafter):
         with torch.inference_mode():
             wd = m.lm_head.weight.dtype
             normed = m.model.norm(hidden[bidx]).to(wd)       # one kernel for every request's rows
-            prev = normed.reshape(-1, normed.shape[-1]) if all(h == 0 for *_, h in live) else \
-                torch.cat([t for i, (_, _, st, h) in enumerate(live) for t in (st.hidden[:h].to(wd), normed[i])])
+            prev = torch.cat([t for i, (_, _, st, h) in enumerate(live) for t in (st.hidden[:h].to(wd), normed[i])])
             step0 = (steps, prev, dev_rows, toks.reshape(-1), mh + n)
             chain = [SeqStep([0], len(r.token_ids) - st.base, st.blocks, 0) for _, r, st, _ in live]
             keys = (d.graphs.fits(steps), d.graphs.fits(chain)) if d.graphs is not None else (None, None)
